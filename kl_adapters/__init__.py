@@ -1,0 +1,49 @@
+"""kl-adapters: exact-gradient KL regularization for LLM RL trainers (TRL, verl, OpenRLHF).
+
+Public API (stable names):
+    kl_surrogate(logp, ref_logp, mask, *, preset="sequence", beta=1.0, old_logp=None, is_clip=None) -> 0-dim tensor
+    kl_reward, kl_coefficients, sequence_kl, per_sequence_beta    KL reward tensor, gradient weights, diagnostics
+    PRESETS, RECOMMENDED, get_preset, Preset                       the preset registry and its metadata
+    enable(preset), disable(), active()                           switch the framework adapters on/off (or KL_ADAPTERS=)
+
+Names are resolved lazily so that the import hook (`kl_adapters.autoload`, run from a .pth file when KL_ADAPTERS is
+set) costs no torch import in processes that never train.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "kl_surrogate": "surrogate",
+    "kl_reward": "surrogate",
+    "kl_coefficients": "surrogate",
+    "sequence_kl": "surrogate",
+    "per_sequence_beta": "surrogate",
+    "PRESETS": "presets",
+    "RECOMMENDED": "presets",
+    "Preset": "presets",
+    "get_preset": "presets",
+    "enable": "activation",
+    "disable": "activation",
+    "active": "activation",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .activation import active, disable, enable
+    from .presets import PRESETS, RECOMMENDED, Preset, get_preset
+    from .surrogate import kl_coefficients, kl_reward, kl_surrogate, per_sequence_beta, sequence_kl
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'kl_adapters' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

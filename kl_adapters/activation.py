@@ -1,0 +1,203 @@
+"""Switching the framework adapters on and off, framework-agnostic.
+
+Three ways to activate, one state:
+    kl_adapters.enable("sequence")          in code (also exports KL_ADAPTERS so child processes / Ray workers inherit)
+    KL_ADAPTERS=sequence python train.py    no code change: the kl_adapters_autoload.pth line imports
+                                            `kl_adapters.autoload` at interpreter start, which calls `activate_from_env`
+    a framework's own config flag           handled by that framework's adapter; it wins over the two above
+Value syntax: ``<preset>[:is_clip=<float>]``; "", "0", "off", "none" mean off.
+
+Patching is lazy: nothing is imported until a framework module listed in `ADAPTERS` is imported; then its adapter's
+`patch(trigger_module_name)` runs (already-imported frameworks are patched at once). Adapters are idempotent and look the
+settings up at call time through `active()`, so a disabled adapter falls through to the framework's original code.
+`disable()` unpatches everything (reversible). This module imports neither torch nor any framework.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+ENV_VAR = "KL_ADAPTERS"
+_OFF = ("", "0", "off", "none", "false")
+
+#: framework -> (adapter module, modules whose import triggers that adapter's patch)
+ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "trl": ("kl_adapters.adapters.trl", ("trl.trainer.grpo_trainer",)),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What is switched on: a preset name and its options."""
+
+    preset: str
+    is_clip: float | None = None
+
+    def __str__(self) -> str:
+        return self.preset if self.is_clip is None else f"{self.preset}:is_clip={self.is_clip:g}"
+
+
+def parse(value: str | None, *, check_preset: bool = True) -> Settings | None:
+    """Parse a KL_ADAPTERS value; unknown presets or options raise ValueError naming the valid ones.
+
+    check_preset=False skips the registry lookup (which imports torch); the name is then checked when an adapter patches.
+    """
+    if value is None or value.strip().lower() in _OFF:
+        return None
+    name, _, opts = value.strip().partition(":")
+    if check_preset:
+        from .presets import get_preset
+
+        get_preset(name)
+    is_clip = None
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, _, raw = item.partition("=")
+        if key != "is_clip":
+            raise ValueError(f"unknown {ENV_VAR} option {key!r} in {value!r}; valid options: is_clip")
+        try:
+            is_clip = float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_VAR} option is_clip needs a number, got {raw!r}") from None
+    from ._validate import check_is_clip
+
+    check_is_clip(is_clip)
+    return Settings(name, is_clip)
+
+
+_lock = threading.RLock()
+_settings: Settings | None = None
+_patched: set[str] = set()
+_finder: _PostImportFinder | None = None
+
+
+def active() -> Settings | None:
+    """The settings adapters apply now (None: off, frameworks run their original code)."""
+    return _settings
+
+
+def resolve(config_value: str | None) -> Settings | None:
+    """A framework config flag wins over enable()/KL_ADAPTERS; an empty or None flag defers to them."""
+    return parse(config_value) if config_value not in (None, "") else _settings
+
+
+def enable(preset: str, *, is_clip: float | None = None) -> Settings:
+    """Switch every supported framework to `preset` (patching installed frameworks as they are imported)."""
+    settings = parse(str(Settings(preset, is_clip)))
+    _activate(settings)
+    os.environ[ENV_VAR] = str(settings)
+    return settings
+
+
+def disable() -> None:
+    """Switch off: restore every patched framework function and forget the setting (also unsets KL_ADAPTERS)."""
+    global _settings, _finder
+    with _lock:
+        _settings = None
+        os.environ.pop(ENV_VAR, None)
+        if _finder is not None and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+        _finder = None
+        for framework in sorted(_patched):
+            importlib.import_module(ADAPTERS[framework][0]).unpatch()
+        _patched.clear()
+
+
+def activate_from_env() -> Settings | None:
+    """Activate from KL_ADAPTERS if it is set (called at interpreter start by the .pth hook and by plugin loaders)."""
+    settings = parse(os.environ.get(ENV_VAR), check_preset="torch" in sys.modules)
+    if settings is not None:
+        _activate(settings)
+    return settings
+
+
+def _activate(settings: Settings) -> None:
+    global _settings, _finder
+    with _lock:
+        _settings = settings
+        if _finder is None:
+            _finder = _PostImportFinder()
+            sys.meta_path.insert(0, _finder)
+        for framework, (_, triggers) in ADAPTERS.items():
+            for trigger in triggers:
+                if trigger in sys.modules:
+                    _patch(framework, trigger)
+
+
+def _patch(framework: str, trigger: str) -> None:
+    from .presets import get_preset
+
+    with _lock:
+        get_preset(_settings.preset)  # KL_ADAPTERS read at interpreter start is validated here, before any patch
+        importlib.import_module(ADAPTERS[framework][0]).patch(trigger)
+        _patched.add(framework)
+
+
+def _framework_of(module_name: str) -> str | None:
+    for framework, (_, triggers) in ADAPTERS.items():
+        if module_name in triggers:
+            return framework
+    return None
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Wraps a module's loader: run the module, then the adapter's patch for it."""
+
+    def __init__(self, loader: importlib.abc.Loader, framework: str):
+        self._loader, self._framework = loader, framework
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        if _settings is not None:
+            _patch(self._framework, module.__name__)
+
+    def __getattr__(self, name):  # e.g. get_source / is_package for tracebacks and pkgutil
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """sys.meta_path entry that intercepts only the trigger modules of `ADAPTERS`."""
+
+    def __init__(self) -> None:
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        framework = _framework_of(fullname)
+        if framework is None or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchAfterExec(spec.loader, framework)
+        return spec
+
+
+def with_kl_adapters_env(runtime_env: dict | None) -> dict:
+    """A Ray runtime_env carrying the active setting to every worker process (multi-node included).
+
+    Adds KL_ADAPTERS to runtime_env["env_vars"]; workers activate at start through the installed .pth hook. Usable as
+    ``RAY_RUNTIME_ENV_HOOK=kl_adapters.activation.ray_runtime_env_hook`` or by adapters that build Ray options.
+    """
+    env = dict(runtime_env or {})
+    if _settings is not None:
+        env["env_vars"] = {**(env.get("env_vars") or {}), ENV_VAR: str(_settings)}
+    return env
+
+
+def ray_runtime_env_hook(runtime_env: dict | None) -> dict:
+    """Entry point for Ray's RAY_RUNTIME_ENV_HOOK (called by ray.init with the job's runtime_env)."""
+    if _settings is None:
+        activate_from_env()
+    return with_kl_adapters_env(runtime_env)

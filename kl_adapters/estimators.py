@@ -1,0 +1,39 @@
+"""Per-token KL estimators, computed in float32 or wider, and the reverse cumulative sum.
+
+Notation (per sampled token y_t with prefix y_<t):
+    k1_t = log pi(y_t) - log pi_ref(y_t)                      (log-ratio; value-unbiased for KL_t)
+    k2_t = k1_t**2 / 2                                         (biased value; gradient k1_t * grad log pi)
+    k3_t = pi_ref/pi - 1 - log(pi_ref/pi) = expm1(-k1_t) + k1_t   (value-unbiased, >= 0)
+
+These functions return *values*. Which gradient a configuration produces is decided in `presets.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def working_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32: never compute KL terms in bf16/fp16."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def k1(log_ratio: Tensor) -> Tensor:
+    """k1 = log pi/pi_ref (the log-ratio itself)."""
+    return log_ratio
+
+
+def k2(log_ratio: Tensor) -> Tensor:
+    """k2 = (log pi/pi_ref)^2 / 2."""
+    return 0.5 * log_ratio.square()
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """k3 = pi_ref/pi - 1 - log(pi_ref/pi) = expm1(-k1) + k1, exact near k1 = 0 (no cancellation)."""
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def reverse_cumsum(x: Tensor) -> Tensor:
+    """y_t = sum_{s >= t} x_s along the last dimension (reward-to-go with gamma = 1)."""
+    return x.flip(-1).cumsum(-1).flip(-1)

@@ -1,0 +1,240 @@
+"""Preset registry: each KL configuration as the per-token gradient weight it applies, with its metadata.
+
+Every per-sample KL term a trainer can differentiate -- an estimator used as a loss, an estimator put (detached) in the
+reward, importance-weighted or not -- has a per-sample gradient of the form
+
+    g(y) = sum_t c_t(y) * grad log pi_theta(y_t | y_<t)
+
+with a detached per-token weight c_t (autodiff of f(log pi_1..T) gives c_t = df/dlog pi_t). A preset is exactly that
+weight. `kl_surrogate` turns it into a loss whose gradient is beta * mean_b g(y_b); the exact audit (`audit.py`) checks
+E[g] against the exact gradients named in `target_on_policy` / `target_off_policy`
+(tests/core/test_exactness.py::test_expected_gradient_matches_documented_target).
+
+Notation: k1_t = log pi/pi_ref (current theta), k3_t = expm1(-k1_t) + k1_t, rho_t = pi(y_t)/mu(y_t) with mu the
+behaviour policy that sampled the batch (rho = 1 on-policy), w_{1:t} = prod_{s<=t} rho_s. Rows refer to the
+configuration table of the project's theory notes (Tang & Munos 2025; Shah et al. 2025).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .estimators import k3, reverse_cumsum
+
+#: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
+TARGET_NAMES = ("kl_seq", "partial_reverse", "partial_forward", "zero", "kl_seq_minus_partial_forward")
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Detached per-token quantities of one [B, T] batch, in the working dtype, zero at padding."""
+
+    k1: Tensor
+    log_rho: Tensor
+    mask: Tensor
+    is_clip: float | None
+
+    def token_ratio(self) -> Tensor:
+        """rho_t = pi/mu per token, capped at is_clip when set (1 on-policy)."""
+        log_rho = self.log_rho if self.is_clip is None else self.log_rho.clamp(max=_log(self.is_clip))
+        return torch.exp(log_rho) * self.mask
+
+    def prefix_weights(self) -> Tensor:
+        """w_{1:t} = prod_{s<=t} rho_s (per-decision importance weight), capped at is_clip when set (1 on-policy)."""
+        log_w = self.log_rho.cumsum(-1)
+        if self.is_clip is not None:
+            log_w = log_w.clamp(max=_log(self.is_clip))
+        return torch.exp(log_w) * self.mask
+
+
+def _log(x: float) -> float:
+    return float(torch.log(torch.tensor(x, dtype=torch.float64)))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A KL configuration: the per-token gradient weight c_t it applies and what its expectation is."""
+
+    name: str
+    summary: str
+    #: per-sample gradient, as the weight c_t in sum_t c_t grad log pi_t
+    gradient: str
+    #: which importance weights it applies when the batch is off-policy
+    importance_weights: str
+    #: exact expected gradient (a name in TARGET_NAMES) when sampling from pi; None = no closed form
+    target_on_policy: str | None
+    #: exact expected gradient when sampling from a behaviour policy mu != pi; None = no closed form (biased)
+    target_off_policy: str | None
+    unbiased_on_policy: bool
+    unbiased_off_policy: bool
+    legacy: bool
+    theory_row: str
+    coefficients: Callable[[Terms], Tensor]
+
+    @property
+    def uses_importance_weights(self) -> bool:
+        return self.importance_weights != "none"
+
+
+def _sequence(t: Terms) -> Tensor:
+    # c_t = sum_{s>=t} w_{1:s} k1_s: pathwise reverse term w_{1:t} k1_t + detached per-decision future-KL return.
+    return reverse_cumsum(t.prefix_weights() * t.k1)
+
+
+def _reward(t: Terms) -> Tensor:
+    # c_t = rho_t * sum_{s>=t} k1_s: k1 reward-to-go in the advantage, PPO-style per-token ratio off-policy.
+    return t.token_ratio() * reverse_cumsum(t.k1)
+
+
+def _reward_sum(t: Terms) -> Tensor:
+    # c_t = rho_t * sum_s k1_s: k1 summed over the sequence and broadcast (outcome-level advantage).
+    return t.token_ratio() * t.k1.sum(-1, keepdim=True)
+
+
+def _token(t: Terms) -> Tensor:
+    # c_t = rho_t k1_t: gradient of rho_t * k3_t (rho attached) == sg(rho_t) * k2_t.
+    return t.token_ratio() * t.k1
+
+
+def _k1_loss(t: Terms) -> Tensor:
+    return t.mask.clone()
+
+
+def _k2_loss(t: Terms) -> Tensor:
+    return t.k1
+
+
+def _k3_loss(t: Terms) -> Tensor:
+    # d k3 / d log pi = 1 - pi_ref/pi = -expm1(-k1)
+    return -torch.expm1(-t.k1) * t.mask
+
+
+def _k3_reward(t: Terms) -> Tensor:
+    return reverse_cumsum(k3(t.k1) * t.mask)
+
+
+_ALL = (
+    Preset(
+        name="sequence",
+        summary="Unbiased for the sequence-level reverse KL, on- and off-policy (per-decision importance weights).",
+        gradient="sum_t grad log pi_t * sum_{s>=t} w_{1:s} k1_s  (reverse pathwise term + detached future-KL return)",
+        importance_weights="per-decision prefix products w_{1:t} (exact; is_clip caps them, which adds bias)",
+        target_on_policy="kl_seq",
+        target_off_policy="kl_seq",
+        unbiased_on_policy=True,
+        unbiased_off_policy=True,
+        legacy=False,
+        theory_row="#10 on-policy, #20 off-policy",
+        coefficients=_sequence,
+    ),
+    Preset(
+        name="reward",
+        summary="k1 (detached) as a per-token reward with reward-to-go: unbiased on-policy; PPO-style ratio off-policy.",
+        gradient="sum_t rho_t grad log pi_t * sum_{s>=t} k1_s",
+        importance_weights="per-token ratio rho_t (no prefix products: biased off-policy)",
+        target_on_policy="kl_seq",
+        target_off_policy=None,
+        unbiased_on_policy=True,
+        unbiased_off_policy=False,
+        legacy=False,
+        theory_row="#5 on-policy, #21 off-policy",
+        coefficients=_reward,
+    ),
+    Preset(
+        name="reward-sum",
+        summary="k1 summed over the sequence in an outcome-level reward (GRPO/RLOO style): unbiased on-policy, noisier.",
+        gradient="sum_t rho_t grad log pi_t * sum_s k1_s",
+        importance_weights="per-token ratio rho_t (biased off-policy)",
+        target_on_policy="kl_seq",
+        target_off_policy=None,
+        unbiased_on_policy=True,
+        unbiased_off_policy=False,
+        legacy=False,
+        theory_row="#4",
+        coefficients=_reward_sum,
+    ),
+    Preset(
+        name="token",
+        summary="Per-token reverse-KL gradient (k2-equivalent, importance-weighted): partial, no future-KL term. "
+        "What verl k3+, TRL use_bias_correction_kl and OpenRLHF unbiased_gradient compute.",
+        gradient="sum_t rho_t k1_t grad log pi_t",
+        importance_weights="per-token ratio rho_t",
+        target_on_policy="partial_reverse",
+        target_off_policy="partial_reverse",
+        unbiased_on_policy=False,
+        unbiased_off_policy=False,
+        legacy=False,
+        theory_row="#2 on-policy, #16 off-policy",
+        coefficients=_token,
+    ),
+    Preset(
+        name="k1-loss",
+        summary="Legacy: k1 differentiated as a loss. Zero expected gradient on-policy: no regularization.",
+        gradient="sum_t grad log pi_t",
+        importance_weights="none",
+        target_on_policy="zero",
+        target_off_policy=None,
+        unbiased_on_policy=False,
+        unbiased_off_policy=False,
+        legacy=True,
+        theory_row="#1",
+        coefficients=_k1_loss,
+    ),
+    Preset(
+        name="k2-loss",
+        summary="Legacy: k2 differentiated as a loss. Per-token reverse KL on-policy (partial), no importance weight.",
+        gradient="sum_t k1_t grad log pi_t",
+        importance_weights="none",
+        target_on_policy="partial_reverse",
+        target_off_policy=None,
+        unbiased_on_policy=False,
+        unbiased_off_policy=False,
+        legacy=True,
+        theory_row="#2",
+        coefficients=_k2_loss,
+    ),
+    Preset(
+        name="k3-loss",
+        summary="Legacy: k3 differentiated as a loss (GRPO default). Follows the partial *forward* KL(pi_ref || pi).",
+        gradient="sum_t (1 - pi_ref/pi)_t grad log pi_t",
+        importance_weights="none",
+        target_on_policy="partial_forward",
+        target_off_policy=None,
+        unbiased_on_policy=False,
+        unbiased_off_policy=False,
+        legacy=True,
+        theory_row="#3, #15 off-policy",
+        coefficients=_k3_loss,
+    ),
+    Preset(
+        name="k3-reward",
+        summary="Legacy: k3 (detached) in the reward with reward-to-go. grad KL_seq minus the partial forward-KL gradient.",
+        gradient="sum_t grad log pi_t * sum_{s>=t} k3_s",
+        importance_weights="none",
+        target_on_policy="kl_seq_minus_partial_forward",
+        target_off_policy=None,
+        unbiased_on_policy=False,
+        unbiased_off_policy=False,
+        legacy=True,
+        theory_row="#7",
+        coefficients=_k3_reward,
+    ),
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
+#: presets a user should pick: unbiased for the sequence KL (on-policy at least)
+RECOMMENDED = ("sequence", "reward")
+
+
+def get_preset(name: str | Preset) -> Preset:
+    """Look a preset up by name; an unknown name raises ValueError listing the valid ones."""
+    if isinstance(name, Preset):
+        return name
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown KL preset {name!r}; valid presets: {', '.join(PRESETS)}") from None

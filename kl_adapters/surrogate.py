@@ -1,0 +1,172 @@
+"""The public KL functions: the loss term (`kl_surrogate`), the reward tensor (`kl_reward`), diagnostics, beta conversion.
+
+Conventions for every function here. Inputs are [B, T] tensors over the response tokens of B sequences:
+    logp      log pi_theta(y_t | y_<t) of the sampled tokens, carrying the gradient
+    ref_logp  log pi_ref(y_t | y_<t)
+    mask      bool or 0/1; ragged lengths and holes (e.g. tool tokens) allowed; padding may hold anything
+    old_logp  log mu(y_t | y_<t) under the behaviour policy that sampled the batch; None = on-policy (mu = pi_theta)
+Arithmetic runs in float32, or float64 if any input is float64, whatever the input dtype. The sequence-level objective
+is KL_seq = KL(pi_theta(.|x) || pi_ref(.|x)) = E_pi[sum_t k1_t]; a batch is averaged over its B sequences with the
+constant divisor B (never a per-sequence length, which would optimize a length-normalized KL instead).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._validate import check_batch, check_beta, check_is_clip
+from .estimators import k3, reverse_cumsum, working_dtype
+from .presets import Preset, Terms, get_preset
+
+
+def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None):
+    """Validate, cast to the working dtype, zero the padding before any nonlinearity; return (masked logp, Terms)."""
+    m = check_batch(logp, ref_logp, mask, old_logp)
+    check_is_clip(is_clip)
+    if is_clip is not None and old_logp is None:
+        raise ValueError("is_clip caps importance weights, which only exist off-policy: pass old_logp or drop is_clip")
+    dtype = working_dtype(logp, ref_logp, old_logp)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    lp = torch.where(m, logp.to(dtype), zero)
+    lp_d = lp.detach()
+    k1 = lp_d - torch.where(m, ref_logp.detach().to(dtype), zero)
+    log_rho = zero.expand_as(lp) if old_logp is None else lp_d - torch.where(m, old_logp.detach().to(dtype), zero)
+    return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip)
+
+
+def _value_per_sequence(t: Terms) -> Tensor:
+    """sum_t w_{1:t} k3_t per sequence: E_mu[.] = KL_seq exactly (is_clip=None); non-negative per token."""
+    return (t.prefix_weights() * k3(t.k1)).sum(-1)
+
+
+def kl_surrogate(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    preset: str | Preset = "sequence",
+    beta: float | Tensor = 1.0,
+    old_logp: Tensor | None = None,
+    is_clip: float | None = None,
+) -> Tensor:
+    """The KL term to add to a minimized loss: a 0-dim tensor whose gradient is the preset's estimate.
+
+    Gradient: beta * (1/B) * sum_b sum_t c_{b,t} * grad logp_{b,t}, with c the preset's detached per-token weight
+    (see `kl_adapters.presets`). For preset "sequence" this is an unbiased estimate of beta * grad KL_seq both
+    on-policy and off-policy (c_t = sum_{s>=t} w_{1:s} k1_s); "reward" is unbiased on-policy. Pinned by
+    tests/core/test_exactness.py::test_expected_gradient_matches_documented_target.
+
+    Value: beta * (1/B) * sum_b sum_t w_{1:t} k3_t -- an unbiased estimate of beta * KL_seq (importance-weighted by the
+    per-decision weights w when old_logp is given, w = 1 on-policy), the same for every preset; presets differ only in
+    their gradient. Pinned by tests/core/test_exactness.py::test_value_is_unbiased_for_sequence_kl.
+
+    is_clip caps every importance weight the preset uses (w_{1:t} or rho_t) at is_clip: lower variance, but biased
+    (measured by `kl-adapters audit`). Off by default. Returned in the working dtype (float32 or float64).
+    """
+    spec = get_preset(preset)
+    check_beta(beta)
+    if is_clip is not None and not spec.uses_importance_weights:
+        raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
+    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
+    coef = spec.coefficients(t)
+    grad_part = (coef * lp).sum()
+    value = _value_per_sequence(t).sum()
+    return beta * (value + (grad_part - grad_part.detach())) / logp.shape[0]
+
+
+def kl_coefficients(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    preset: str | Preset = "sequence",
+    old_logp: Tensor | None = None,
+    is_clip: float | None = None,
+) -> Tensor:
+    """The preset's detached per-token gradient weights c [B, T]: grad(per-sequence term) = sum_t c_t grad logp_t.
+
+    Zero at padding. Comparing the weights of two presets on the same batch measures how far one's gradient is from
+    the other's, token by token (the live bias signal adapters log).
+    """
+    spec = get_preset(preset)
+    _, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
+    return spec.coefficients(t) * t.mask
+
+
+def kl_reward(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    beta: float | Tensor = 1.0,
+    to_go: bool = False,
+) -> Tensor:
+    """Per-token KL reward for trainers that put the KL in the reward (preset "reward"), detached, zero at padding.
+
+    Returns -beta * k1_t (to_go=False), to be summed by the trainer's own returns with gamma = 1, or the KL
+    reward-to-go -beta * sum_{s>=t} k1_s (to_go=True), to be added to a per-token advantage. Either way the policy
+    gradient E[sum_t grad log pi_t * (that return)] equals -beta * grad KL_seq on-policy. Pass the log-probs of the
+    *current* policy: a penalty computed from stale (rollout-time) log-probs is biased off-policy.
+    """
+    check_beta(beta)
+    _, t = _terms(logp, ref_logp, mask, None, None)
+    kl = reverse_cumsum(t.k1) if to_go else t.k1
+    return -beta * kl * t.mask
+
+
+def sequence_kl(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    old_logp: Tensor | None = None,
+    is_clip: float | None = None,
+) -> Tensor:
+    """Per-sequence estimate [B] of KL_seq: sum_t w_{1:t} k3_t, detached (unbiased when is_clip is None)."""
+    _, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
+    return _value_per_sequence(t)
+
+
+#: loss aggregation modes (verl's names) and the divisor D each applies to sum_{b,t} mask * term
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+
+def per_sequence_beta(
+    beta: float,
+    mask: Tensor,
+    aggregation: str = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    max_length: int | None = None,
+) -> float | Tensor:
+    """Convert a framework's per-token KL coefficient to the per-sequence beta of `kl_surrogate`.
+
+    A framework that adds beta * k_t per token and aggregates sum_{b,t} mask * (task_t + beta * k_t) / D applies the
+    KL with weight beta / D per token. `kl_surrogate` divides by the B sequences, so the same strength relative to the
+    task loss is beta_seq = beta * B / D:
+        token-mean              D = number of real tokens (num_tokens, e.g. the global count; default mask.sum())
+        seq-mean-token-sum      D = B                  -> beta
+        token-sum               D = 1                  -> beta * B
+        seq-mean-token-sum-norm D = B * max_length     -> beta / max_length   (Dr. GRPO's constant normaliser)
+    seq-mean-token-mean divides each sequence by its own length: that objective is a length-normalized KL, which no
+    constant beta_seq reproduces, so it raises ValueError.
+    """
+    batch = mask.shape[0]
+    if aggregation == "token-mean":
+        tokens = (mask != 0).sum() if num_tokens is None else num_tokens
+        return beta * batch / tokens
+    if aggregation == "seq-mean-token-sum":
+        return beta
+    if aggregation == "token-sum":
+        return beta * batch
+    if aggregation == "seq-mean-token-sum-norm":
+        if max_length is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_length (the constant per-sequence normaliser)")
+        return beta / max_length
+    if aggregation == "seq-mean-token-mean":
+        raise ValueError(
+            "seq-mean-token-mean divides each sequence's KL by its own length: that optimizes a length-normalized KL, "
+            "not KL_seq, and no per-sequence beta reproduces it; use token-mean or seq-mean-token-sum(-norm)"
+        )
+    raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")

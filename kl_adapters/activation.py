@@ -29,6 +29,8 @@ _OFF = ("", "0", "off", "none", "false")
 #: framework -> (adapter module, modules whose import triggers that adapter's patch)
 ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trl": ("kl_adapters.adapters.trl", ("trl.trainer.grpo_trainer",)),
+    "verl": ("kl_adapters.adapters.verl", ("verl.workers.utils.losses",)),
+    "openrlhf": ("kl_adapters.adapters.openrlhf", ("openrlhf.trainer.ray.ppo_actor",)),
 }
 
 

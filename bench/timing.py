@@ -1,0 +1,60 @@
+"""Benchmark helpers: median-of-repeats timing and result files that name the command, device and versions.
+
+Numbers in bench/results/ come only from `write_result`, so every figure carries the command that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def measure(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, sync: Callable[[], None] | None = None):
+    """Run fn warmup+repeats times; return per-call seconds (median, min, max, all) of the timed repeats."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats,
+            "times_s": times}
+
+
+def environment() -> dict:
+    """Device and package versions of this run."""
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+           "cpu_count": __import__("os").cpu_count(), "device": "cpu"}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    for dist in ("trl", "transformers", "verl", "openrlhf", "ray"):
+        try:
+            env[dist] = __import__("importlib.metadata").metadata.version(dist)
+        except Exception:  # noqa: BLE001 - not installed in this environment
+            pass
+    return env
+
+
+def write_result(name: str, data: dict) -> Path:
+    """Write bench/results/<name>.json with the command line that produced it and the environment."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {"command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+           "environment": environment(), **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path

@@ -1,0 +1,6 @@
+"""One module per framework (trl.py, verl.py, openrlhf.py); each holds all of kl-adapters' knowledge of its framework.
+
+Contract with `kl_adapters.activation`: an adapter module exposes `patch(trigger_module_name)` (idempotent, version-
+and code-path-guarded; patched functions consult `activation.active()` at call time and fall through to the original
+code when it is None) and `unpatch()` (restores every original). Shared guard: `_guard.require_version`.
+"""

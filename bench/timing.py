@@ -53,7 +53,10 @@ def environment() -> dict:
 def write_result(name: str, data: dict) -> Path:
     """Write bench/results/<name>.json with the command line that produced it and the environment."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = {"command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+    root = RESULTS.parent.parent
+    interpreter = Path(sys.executable)
+    shown = interpreter.relative_to(root) if interpreter.is_relative_to(root) else interpreter.name
+    doc = {"command": " ".join(shlex.quote(str(a)) for a in [shown, *sys.argv]),
            "environment": environment(), **data}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -28,9 +28,11 @@ _OFF = ("", "0", "off", "none", "false")
 
 #: framework -> (adapter module, modules whose import triggers that adapter's patch)
 ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "trl": ("kl_adapters.adapters.trl", ("trl.trainer.grpo_trainer",)),
-    "verl": ("kl_adapters.adapters.verl", ("verl.workers.utils.losses",)),
-    "openrlhf": ("kl_adapters.adapters.openrlhf", ("openrlhf.trainer.ray.ppo_actor",)),
+    "trl": ("kl_adapters.adapters.trl", ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")),
+    "verl": ("kl_adapters.adapters.verl", ("verl.utils.config", "verl.trainer.constants_ppo", "verl.workers.utils.losses",
+                                           "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.utils")),
+    "openrlhf": ("kl_adapters.adapters.openrlhf",
+                 ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ppo_utils.experience_maker")),
 }
 
 
@@ -136,7 +138,11 @@ def _patch(framework: str, trigger: str) -> None:
 
     with _lock:
         get_preset(_settings.preset)  # KL_ADAPTERS read at interpreter start is validated here, before any patch
-        importlib.import_module(ADAPTERS[framework][0]).patch(trigger)
+        adapter = importlib.import_module(ADAPTERS[framework][0])
+        if not hasattr(adapter, "patch"):
+            raise RuntimeError(f"{adapter.__name__} imported its own trigger module {trigger!r} while being imported; "
+                               "adapters must import trigger modules inside patch() only")
+        adapter.patch(trigger)
         _patched.add(framework)
 
 

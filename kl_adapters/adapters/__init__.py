@@ -2,5 +2,6 @@
 
 Contract with `kl_adapters.activation`: an adapter module exposes `patch(trigger_module_name)` (idempotent, version-
 and code-path-guarded; patched functions consult `activation.active()` at call time and fall through to the original
-code when it is None) and `unpatch()` (restores every original). Shared guard: `_guard.require_version`.
+code when it is None) and `unpatch()` (restores every original). An adapter module must not import its trigger modules at import time (only
+inside `patch`), since importing a trigger runs `patch`. Shared guard: `_guard.require_version`.
 """

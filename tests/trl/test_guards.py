@@ -1,0 +1,61 @@
+"""Version guard, code-path guard and bad configuration: clear errors, never a silent patch or a silent no-op."""
+
+import importlib.metadata
+
+import pytest
+from conftest import grpo_args, make_trainer, one_batch
+
+import kl_adapters
+from kl_adapters.adapters import _guard
+from kl_adapters.adapters import trl as adapter
+
+
+def test_refuses_untested_trl_version(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "1.15.2" if d == "trl" else real(d))
+    with pytest.raises(_guard.UnsupportedFrameworkError, match=r"supports trl==1\.16\.0.*found trl==1\.15\.2"):
+        adapter.patch("trl.trainer.grpo_trainer")
+    monkeypatch.setenv(_guard.ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="trl==1.15.2"):
+        adapter.patch("trl.trainer.grpo_trainer")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(kl_preset="k4"), "unknown KL preset 'k4'"),
+    (dict(kl_preset="sequence", beta=0.0), "silent no-op"),
+    (dict(kl_preset=None, kl_is_clip=2.0), "silent no-op"),
+    (dict(kl_preset="sequence", kl_is_clip=0.5), ">= 1"),
+])
+def test_bad_config_raises(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        grpo_args(**overrides)
+
+
+def test_liger_kernel_is_refused(model_dir, dataset):
+    trainer = make_trainer(model_dir, dataset)
+    batch = one_batch(trainer)
+    trainer.args.use_liger_kernel = True
+    with pytest.raises(_guard.UnsupportedFrameworkError, match="use_liger_kernel"):
+        trainer.compute_loss(trainer.model, batch)
+
+
+def test_unknown_subclass_overriding_the_loss_is_refused(model_dir, dataset):
+    from trl import GRPOTrainer
+
+    class Custom(GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs)
+
+    trainer = make_trainer(model_dir, dataset, trainer_cls=Custom)
+    with pytest.raises(_guard.UnsupportedFrameworkError, match="Custom overrides _compute_loss"):
+        trainer.compute_loss(trainer.model, one_batch(trainer))
+
+
+def test_enable_disable_round_trip():
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    kl_adapters.enable("reward")
+    assert hasattr(GRPOTrainer.compute_loss, "__kl_adapters_original__")
+    kl_adapters.disable()
+    assert not hasattr(GRPOTrainer.compute_loss, "__kl_adapters_original__")
+    adapter.patch("trl.trainer.grpo_trainer")  # leave the suite's state as the config field leaves it

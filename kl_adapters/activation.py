@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -77,7 +78,9 @@ def parse(value: str | None, *, check_preset: bool = True) -> Settings | None:
 _lock = threading.RLock()
 _settings: Settings | None = None
 _patched: set[str] = set()
+_armed: set[str] = set()
 _finder: _PostImportFinder | None = None
+_log = logging.getLogger("kl_adapters")
 
 
 def active() -> Settings | None:
@@ -99,10 +102,12 @@ def enable(preset: str, *, is_clip: float | None = None) -> Settings:
 
 
 def disable() -> None:
-    """Switch off: restore every patched framework function and forget the setting (also unsets KL_ADAPTERS)."""
+    """Switch off: restore every patched framework function, forget the setting (also unsets KL_ADAPTERS) and any
+    `arm`ed framework (its config names then stop selecting presets in this process)."""
     global _settings, _finder
     with _lock:
         _settings = None
+        _armed.clear()
         os.environ.pop(ENV_VAR, None)
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
@@ -120,24 +125,52 @@ def activate_from_env() -> Settings | None:
     return settings
 
 
+def arm(framework: str) -> None:
+    """Patch `framework` as its trigger modules are imported even while no setting is active.
+
+    For frameworks whose own config can name a preset (verl: ``kl_loss_type=kl_adapters:<preset>``): the adapter's
+    wrappers run the original code until a flag selects a preset. Errors while patching an armed-only framework are
+    logged, not raised, so that a user who set no flag never sees the framework break.
+    """
+    with _lock:
+        _armed.add(framework)
+        _install_finder()
+        for trigger in ADAPTERS[framework][1]:
+            if trigger in sys.modules:
+                _patch_armed(framework, trigger)
+
+
 def _activate(settings: Settings) -> None:
-    global _settings, _finder
+    global _settings
     with _lock:
         _settings = settings
-        if _finder is None:
-            _finder = _PostImportFinder()
-            sys.meta_path.insert(0, _finder)
+        _install_finder()
         for framework, (_, triggers) in ADAPTERS.items():
             for trigger in triggers:
                 if trigger in sys.modules:
                     _patch(framework, trigger)
 
 
+def _install_finder() -> None:
+    global _finder
+    if _finder is None:
+        _finder = _PostImportFinder()
+        sys.meta_path.insert(0, _finder)
+
+
+def _patch_armed(framework: str, trigger: str) -> None:
+    try:
+        _patch(framework, trigger)
+    except Exception as exc:  # noqa: BLE001 - see arm()
+        _log.warning("kl-adapters: could not patch %s, %s runs unpatched there: %s", trigger, framework, exc)
+
+
 def _patch(framework: str, trigger: str) -> None:
     from .presets import get_preset
 
     with _lock:
-        get_preset(_settings.preset)  # KL_ADAPTERS read at interpreter start is validated here, before any patch
+        if _settings is not None:
+            get_preset(_settings.preset)  # KL_ADAPTERS read at interpreter start is validated here, before any patch
         adapter = importlib.import_module(ADAPTERS[framework][0])
         if not hasattr(adapter, "patch"):
             raise RuntimeError(f"{adapter.__name__} imported its own trigger module {trigger!r} while being imported; "
@@ -166,6 +199,8 @@ class _PatchAfterExec(importlib.abc.Loader):
         self._loader.exec_module(module)
         if _settings is not None:
             _patch(self._framework, module.__name__)
+        elif self._framework in _armed:
+            _patch_armed(self._framework, module.__name__)
 
     def __getattr__(self, name):  # e.g. get_source / is_package for tracebacks and pkgutil
         return getattr(self._loader, name)

@@ -19,7 +19,7 @@ build() {
   case "$name" in
     core) "${pip[@]}" "${con[@]}" pytest hypothesis numpy matplotlib ;;
     trl) "${pip[@]}" "${con[@]}" "trl==1.16.0" peft pytest hypothesis numpy matplotlib ;;
-    verl) "${pip[@]}" "${con[@]}" "verl==0.9.1" pytest numpy uvicorn fastapi cachetools ;;
+    verl) "${pip[@]}" "${con[@]}" "verl==0.9.1" pytest numpy uvicorn fastapi cachetools transferqueue ;;
     openrlhf)
       # openrlhf hard-depends on flash-attn + vllm (CUDA only): install it without deps, then what its KL path imports.
       # flash_attn / vllm are replaced by test-only import stubs (tests/openrlhf/cpu_stubs).

@@ -1,0 +1,418 @@
+"""verl adapter: the chosen preset's exact KL gradient in verl's actor loss, and the exact KL reward path.
+
+Supported: verl 0.9.1 (other versions raise `UnsupportedFrameworkError` naming the range).
+
+Flag, verl's idiom (the estimator-name fields verl already has; Hydra accepts the new names as plain strings):
+    actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>   actor KL loss (with actor.use_kl_loss=True)
+    algorithm.kl_penalty=kl_adapters:reward                      KL in the reward (with algorithm.use_kl_in_reward=True)
+or, for whichever of the two paths is on, the environment variable ``KL_ADAPTERS=<preset>`` (exported before
+``python -m verl.trainer.main_ppo``, or ``+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=<preset>``). The value
+after ``kl_adapters:`` uses the KL_ADAPTERS syntax ``<preset>[:is_clip=<c>]`` (quote it for Hydra when it holds ``=``);
+a config name wins over the environment variable. With neither, every wrapper below runs verl's own function unchanged.
+
+Reaching every process: the ``verl.plugins`` entry point (`verl_plugin`) is imported by ``verl/__init__`` in every
+process that imports verl -- driver, TaskRunner, each worker, on every node where kl-adapters is installed -- and
+patches the modules below as they are imported. The driver forwards an active KL_ADAPTERS into the Ray job's
+runtime_env (all workers on all nodes); workers activate from it at interpreter start (the .pth hook).
+
+What is patched (attribute -> wrapper; name-import sites already loaded are rebound too, see `patch`):
+    verl.workers.utils.losses.get_policy_loss_fn   captures the tensors ppo_loss hands its policy loss
+    verl.workers.utils.losses.kl_penalty           the KL term of ppo_loss (only this module's global: core_algos'
+                                                   kl_penalty, used by the reward path and distillation, is untouched)
+    verl.workers.utils.losses.ppo_loss             adds the kl_adapters/* metrics
+    verl.trainer.ppo.ray_trainer.apply_kl_penalty, .compute_advantage,
+    verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories       the reward path
+    verl.trainer.constants_ppo.get_ppo_ray_runtime_env                       forwards KL_ADAPTERS to the Ray job
+    verl.utils.config.validate_config                                        refuses conflicting flags in the driver
+
+Actor loss (`_kl_per_token`): ppo_loss adds ``kl_loss_coef * agg_loss(kld, response_mask, loss_agg_mode, **global
+batch info)``. The adapter's kld has per-token gradient ``w_t * c_t * grad log_prob_t`` (c = the preset's weight,
+`kl_coefficients`, behaviour log-probs ``old_log_probs``; w = verl's ``rollout_is_weights`` when present, else 1), so
+the KL goes through verl's own aggregation and ``kl_loss_coef`` keeps its strength relative to the task loss. Without
+rollout IS weights the added gradient is that of
+    kl_surrogate(log_prob, ref_log_prob, response_mask, preset=p, old_logp=old_log_probs, beta=kl_loss_coef * B / D)
+with B the micro-batch's sequences and D agg_loss's divisor: batch_num_tokens / dp_size (token-mean; this is
+``per_sequence_beta(kl_loss_coef, mask, "token-mean", num_tokens=batch_num_tokens / dp_size)``), global_batch_size /
+dp_size (seq-mean-token-sum; times loss_scale_factor or the padded length for -norm), 1 / dp_size (token-sum)
+(tests/verl/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate and ::test_micro_batch_keeps_verls_normaliser).
+Sequence-level ``rollout_is_weights`` (verl's default rollout_is="sequence") weight each sequence's term, which keeps
+it unbiased under the rollout policy up to their truncation (and batch normalisation); token-level ones weight each
+token, as verl does for its policy loss (biased, as there). kld's value is the importance-weighted sequence KL
+estimate spread evenly over the sequence's tokens, so verl's ``actor/kl_loss`` reads as a KL (token-mean: per token;
+seq-mean-token-sum: per sequence). ``seq-mean-token-mean`` is refused: it optimizes a length-normalized KL.
+
+Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` preset only. verl's apply_kl_penalty runs with
+its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update unchanged), but the advantage
+estimator is given the KL-free scores; afterwards ``-beta * sum_{s>=t} k1_s`` (`kl_reward(..., to_go=True)`, k1 from
+``old_log_probs``, beta = kl_ctrl.value) is added to the advantages. The KL is therefore never divided by GRPO's group
+std nor collapsed to a sequence sum, whatever ``adv_estimator`` is; beta keeps its meaning of a per-token reward
+coefficient on the raw reward scale (tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation).
+
+verl's ``full`` estimator raises NotImplementedError upstream; the adapter does not offer an analytic KL (ppo_loss
+never receives the full-vocabulary logits) and refuses ``full`` when a flag would replace it.
+Metrics added beside verl's: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate) and, on the loss path,
+``kl_adapters/grad_weight_gap`` = sum|c_native - c_preset| / sum|c_preset| (c_native: the per-token weight of verl's
+own ``kl_loss_type``, verl's default low_var_kl for kl_adapters: names, ignoring its +-10 clamp; 0 = no difference).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import activation
+from ..activation import ENV_VAR, Settings, parse
+from ..presets import get_preset
+from ..surrogate import kl_coefficients, kl_reward, sequence_kl
+from ._guard import UnsupportedFrameworkError, require_version
+
+SUPPORTED = "==0.9.1"
+#: verl estimator names starting with this select a preset: "kl_adapters:<KL_ADAPTERS value>"
+PREFIX = "kl_adapters:"
+_ORIGINAL = "__kl_adapters_original__"
+#: DataProto.meta_info key: the KL beta handed from apply_kl_penalty to the advantage step
+_REWARD_BETA = "kl_adapters/reward_beta"
+#: preset with the same per-token gradient as verl's own estimator (a trailing "+" means k2's gradient)
+_NATIVE = {"kl": "k1-loss", "k1": "k1-loss", "mse": "k2-loss", "k2": "k2-loss",
+           "low_var_kl": "k3-loss", "k3": "k3-loss"}
+
+_FULL = ("verl's kl estimator 'full' (analytic KL) raises NotImplementedError in verl 0.9.1, and kl-adapters does not "
+         "offer it (ppo_loss never receives the full-vocabulary logits). Use kl_adapters:sequence, the exact "
+         "sequence-level estimator, or one of verl's sampled estimators.")
+_LENGTH_NORMALISED = ("loss_agg_mode=seq-mean-token-mean divides each sequence's KL by its own length: that optimizes "
+                      "a length-normalized KL, not the sequence KL. Use token-mean, seq-mean-token-sum or "
+                      "seq-mean-token-sum-norm with kl-adapters.")
+
+
+# ----------------------------------------------------------------------------------------------- flag resolution
+
+
+def flag_settings(name: str, default: Settings | None) -> Settings | None:
+    """The settings a verl estimator name selects: ``kl_adapters:<value>`` parses <value>; verl's own names defer to
+    `default` (the KL_ADAPTERS / enable() setting). None means verl's own code runs."""
+    if isinstance(name, str) and name.startswith(PREFIX):
+        settings = parse(name[len(PREFIX):])
+        if settings is None:
+            raise ValueError(f"{name!r} selects no preset: name one ({PREFIX}sequence, ...) or use verl's estimator")
+        return settings
+    if default is not None and name == "full":
+        raise ValueError(_FULL)
+    return default
+
+
+def check_loss_settings(settings: Settings, loss_agg_mode: str) -> None:
+    """Refuse loss-path settings whose gradient would not be the documented one."""
+    if loss_agg_mode == "seq-mean-token-mean":
+        raise ValueError(_LENGTH_NORMALISED)
+    if settings.is_clip is not None and not get_preset(settings.preset).uses_importance_weights:
+        raise ValueError(f"preset {settings.preset!r} applies no importance weights, so is_clip would be a no-op")
+
+
+def check_reward_settings(settings: Settings) -> None:
+    """The reward path implements exactly the `reward` preset (a detached KL reward cannot carry another gradient)."""
+    if settings.preset != "reward":
+        raise ValueError(f"verl's KL-in-reward path (algorithm.use_kl_in_reward=True) implements only the 'reward' "
+                         f"preset, got {settings.preset!r}: use kl_adapters:reward there, or put preset "
+                         f"{settings.preset!r} in the actor loss (actor_rollout_ref.actor.use_kl_loss=True, "
+                         f"kl_loss_type=kl_adapters:{settings.preset}, algorithm.use_kl_in_reward=False)")
+    if settings.is_clip is not None:
+        raise ValueError("is_clip caps importance weights, which the reward path does not apply (PPO's ratio does)")
+
+
+def check_config(config) -> None:
+    """Refuse flag combinations that would be silent no-ops, count the KL twice, or optimize another objective.
+
+    `config` is verl's full Hydra config (run in the driver by the patched ``validate_config``, before Ray starts).
+    The environment setting is KL_ADAPTERS of this process or of ``ray_kwargs.ray_init.runtime_env.env_vars``.
+    Pinned by tests/verl/test_config.py.
+    """
+    from omegaconf import OmegaConf
+
+    actor, algo = config.actor_rollout_ref.actor, config.algorithm
+    in_runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
+    default = activation.active() or parse(os.environ.get(ENV_VAR)) or parse(in_runtime_env)
+    use_loss, use_reward = bool(actor.use_kl_loss), bool(algo.get("use_kl_in_reward", False))
+    for key, name, switch, used in (
+        ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, "actor_rollout_ref.actor.use_kl_loss", use_loss),
+        ("algorithm.kl_penalty", algo.kl_penalty, "algorithm.use_kl_in_reward", use_reward),
+    ):
+        if not used and flag_settings(name, None) is not None:
+            raise ValueError(f"{key}={name} has no effect while {switch}=False: set {switch}=True")
+    if default is not None and not (use_loss or use_reward):
+        raise ValueError(f"{ENV_VAR}={default} has no effect: verl has no KL term (set "
+                         "actor_rollout_ref.actor.use_kl_loss=True or algorithm.use_kl_in_reward=True)")
+    loss = flag_settings(actor.kl_loss_type, default) if use_loss else None
+    reward = flag_settings(algo.kl_penalty, default) if use_reward else None
+    if (loss or reward) and use_loss and use_reward:
+        raise ValueError("the KL is both in the reward (algorithm.use_kl_in_reward) and in the loss "
+                         "(actor.use_kl_loss): with kl-adapters each path is exact on its own, so enabling both "
+                         "regularizes twice (with two betas). Enable exactly one.")
+    if loss:
+        check_loss_settings(loss, actor.loss_agg_mode)
+    if reward:
+        check_reward_settings(reward)
+        if actor.loss_agg_mode == "seq-mean-token-mean":
+            raise ValueError(_LENGTH_NORMALISED)
+
+
+def _loss_settings(config) -> Settings | None:
+    if not config.use_kl_loss:
+        return None
+    settings = flag_settings(config.kl_loss_type, activation.active())
+    if settings is not None:
+        check_loss_settings(settings, config.loss_agg_mode)
+    return settings
+
+
+def _reward_settings(kl_penalty: str) -> Settings | None:
+    settings = flag_settings(kl_penalty, activation.active())
+    if settings is not None:
+        check_reward_settings(settings)
+    return settings
+
+
+# ----------------------------------------------------------------------------------------------------- loss path
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """The tensors ppo_loss passes to its policy loss, for the KL term that follows it in the same call."""
+
+    settings: Settings
+    log_prob: Tensor
+    old_log_prob: Tensor
+    response_mask: Tensor
+    rollout_is_weights: Tensor | None
+    native: str | None  # preset with the gradient of verl's own kl_loss_type, if one has it
+
+
+_local = threading.local()  # .captured: _Captured | None, .metrics: dict | None (one ppo_loss call at a time)
+
+
+def _native_preset(kl_loss_type: str) -> str | None:
+    name = "low_var_kl" if kl_loss_type.startswith(PREFIX) else kl_loss_type
+    return "k2-loss" if name.endswith("+") else _NATIVE.get(name)
+
+
+def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:
+    """Wrap the policy loss ppo_loss looks up so that it records the tensors of this call (keyword arguments, as
+    losses.ppo_loss passes them) when a preset applies to this actor config."""
+
+    def patched(name):
+        policy_loss_fn = get_policy_loss_fn(name)
+
+        def policy_loss(*args, **kwargs):
+            config = kwargs.get("config")
+            settings = None if config is None else _loss_settings(config)
+            _local.captured = None if settings is None else _Captured(
+                settings, kwargs["log_prob"], kwargs["old_log_prob"], kwargs["response_mask"].bool(),
+                kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type))
+            return policy_loss_fn(*args, **kwargs)
+
+        return policy_loss
+
+    return patched
+
+
+def _kl_term(original: Callable) -> Callable:
+    """Wrap ppo_loss's kl_penalty: the preset's per-token KL term for the captured tensors (`_kl_per_token`)."""
+
+    def patched(logprob, ref_logprob, kl_penalty):  # verl's parameter names: ppo_loss passes them by keyword
+        captured, _local.captured = getattr(_local, "captured", None), None
+        if captured is None:
+            if isinstance(kl_penalty, str) and kl_penalty.startswith(PREFIX):
+                raise UnsupportedFrameworkError(
+                    f"kl_penalty({kl_penalty!r}) was called outside verl's ppo_loss with use_kl_loss=True, the only "
+                    "path kl-adapters supports for its estimator names")
+            return original(logprob, ref_logprob, kl_penalty)
+        if logprob is not captured.log_prob:
+            raise UnsupportedFrameworkError("verl's ppo_loss passed kl_penalty other log-probs than its policy loss; "
+                                            "this verl code path is not the one kl-adapters is tested with")
+        term, _local.metrics = _kl_per_token(captured, ref_logprob)
+        return term
+
+    return patched
+
+
+def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
+    """Per-token KL term for verl's agg_loss: gradient w_t * c_t * grad log_prob_t, value = the sequence's
+    (importance-weighted) KL estimate spread evenly over its tokens. Zero at padding. Also returns the metrics."""
+    from verl.utils.metric import AggregationType, Metric
+
+    mask, opts = c.response_mask, {"old_logp": c.old_log_prob, "is_clip": c.settings.is_clip}
+    coef = kl_coefficients(c.log_prob, ref_log_prob, mask, preset=c.settings.preset, **opts)
+    seq_kl = sequence_kl(c.log_prob, ref_log_prob, mask, **opts)
+    lp = torch.where(mask, c.log_prob.to(coef.dtype), torch.zeros((), dtype=coef.dtype, device=coef.device))
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+    term = seq_kl[:, None] * mask / lengths + coef * (lp - lp.detach())
+    if c.rollout_is_weights is not None:
+        term = term * c.rollout_is_weights.detach().to(term.dtype)
+    metrics = {"kl_adapters/seq_kl": seq_kl.mean().item()}
+    if c.native is not None:
+        native = kl_coefficients(c.log_prob, ref_log_prob, mask, preset=c.native)
+        gap = (native - coef).abs().sum() / coef.abs().sum().clamp(min=1e-30)
+        metrics["kl_adapters/grad_weight_gap"] = gap.item()
+    return term, {k: Metric(AggregationType.MEAN, v) for k, v in metrics.items()}
+
+
+def _with_metrics(ppo_loss: Callable) -> Callable:
+    """Wrap ppo_loss: start each call with no captured tensors, and add the kl_adapters/* metrics of its KL term."""
+
+    def patched(*args, **kwargs):
+        _local.captured = _local.metrics = None
+        loss, metrics = ppo_loss(*args, **kwargs)
+        extra, _local.metrics = getattr(_local, "metrics", None), None
+        if extra:
+            metrics.update(extra)
+        return loss, metrics
+
+    return patched
+
+
+# --------------------------------------------------------------------------------------------------- reward path
+
+
+def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
+    """Wrap apply_kl_penalty: under the `reward` preset run verl's with the k1 estimator (its rewards, metrics and
+    kl_ctrl update) and hand beta to the advantage step through meta_info."""
+
+    def patched(data, kl_ctrl, kl_penalty="kl"):
+        settings = _reward_settings(kl_penalty)
+        if settings is None:
+            return apply_kl_penalty(data, kl_ctrl, kl_penalty=kl_penalty)
+        beta = float(kl_ctrl.value)  # the value verl applies in this call (it updates kl_ctrl afterwards)
+        data, metrics = apply_kl_penalty(data, kl_ctrl, kl_penalty="k1")
+        data.meta_info[_REWARD_BETA] = beta
+        batch = data.batch
+        metrics["kl_adapters/seq_kl"] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
+                                                    batch["response_mask"]).mean().item()
+        return data, metrics
+
+    return patched
+
+
+def _advantage_then_kl(compute_advantage: Callable) -> Callable:
+    """Wrap an advantage function: the estimator sees the KL-free scores, then the KL reward-to-go is added to the
+    advantages: A_t <- A_t(scores) - beta * sum_{s>=t} k1_s (after any group/batch normalisation)."""
+
+    def patched(data, *args, **kwargs):
+        beta = data.meta_info.pop(_REWARD_BETA, None)
+        if beta is None:
+            return compute_advantage(data, *args, **kwargs)
+        penalized = data.batch["token_level_rewards"]
+        data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+        data = compute_advantage(data, *args, **kwargs)
+        batch = data.batch
+        kl_to_go = kl_reward(batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"], beta=beta,
+                             to_go=True)
+        batch["advantages"] = batch["advantages"] + kl_to_go.to(batch["advantages"].dtype)
+        batch["token_level_rewards"] = penalized  # verl's k1-penalized rewards, for its reward metrics
+        return data
+
+    return patched
+
+
+# ----------------------------------------------------------------------------------------------- driver helpers
+
+
+def _forward_env(get_ppo_ray_runtime_env: Callable) -> Callable:
+    """Add the active KL_ADAPTERS to the Ray job's runtime_env, so every worker on every node activates."""
+
+    def patched(config=None):
+        return activation.with_kl_adapters_env(get_ppo_ray_runtime_env(config))
+
+    return patched
+
+
+def _validate_first(validate_config: Callable) -> Callable:
+    """Run `check_config` before verl's own validate_config (in the driver, before Ray starts)."""
+
+    def patched(config, *args, **kwargs):
+        check_config(config)
+        return validate_config(config, *args, **kwargs)
+
+    return patched
+
+
+# ---------------------------------------------------------------------------------------------------- patching
+
+
+@dataclass(frozen=True)
+class _Site:
+    """One verl function to wrap: where it lives, its expected leading parameters, and the wrapper factory."""
+
+    name: str
+    params: tuple[str, ...]
+    wrap: Callable[[Callable], Callable]
+    #: also rebind `from module import name` copies in verl modules already loaded (never for kl_penalty and
+    #: get_policy_loss_fn: losses' copies are the only ones ppo_loss uses; core_algos' serve other paths)
+    everywhere: bool = True
+
+
+#: trigger module -> functions patched when it is imported (the same module names are the "verl" triggers of
+#: kl_adapters.activation.ADAPTERS)
+SITES: dict[str, tuple[_Site, ...]] = {
+    "verl.utils.config": (_Site("validate_config", ("config", "use_reference_policy", "use_critic"), _validate_first),),
+    "verl.trainer.constants_ppo": (_Site("get_ppo_ray_runtime_env", ("config",), _forward_env),),
+    "verl.workers.utils.losses": (
+        _Site("get_policy_loss_fn", ("name",), _capture_policy_loss, everywhere=False),
+        _Site("kl_penalty", ("logprob", "ref_logprob", "kl_penalty"), _kl_term, everywhere=False),
+        _Site("ppo_loss", ("config", "model_output", "data", "dp_group"), _with_metrics),
+    ),
+    "verl.trainer.ppo.ray_trainer": (
+        _Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward),
+        _Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl),
+    ),
+    "verl.trainer.ppo.v1.utils": (
+        _Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl),
+    ),
+}
+
+
+def _verl_modules() -> list[types.ModuleType]:
+    return [m for n, m in list(sys.modules.items()) if (n == "verl" or n.startswith("verl.")) and m is not None]
+
+
+def _is_ours(fn: object) -> bool:
+    return isinstance(fn, types.FunctionType) and _ORIGINAL in fn.__dict__
+
+
+def patch(trigger: str) -> None:
+    """Wrap the functions of `SITES[trigger]` (idempotent). Refuses verl versions other than 0.9.1, and functions
+    whose signature differs from 0.9.1's, with UnsupportedFrameworkError. Copies made by `from <trigger> import name`
+    in verl modules loaded before this call are rebound too (the import-site binding pitfall), except kl_penalty and
+    get_policy_loss_fn, which are wrapped only where ppo_loss looks them up."""
+    version = require_version("verl", SUPPORTED)
+    module = sys.modules[trigger]
+    for site in SITES[trigger]:
+        original = getattr(module, site.name, None)
+        if _is_ours(original):
+            continue
+        params = tuple(inspect.signature(original).parameters) if callable(original) else ()
+        if params[: len(site.params)] != site.params:
+            raise UnsupportedFrameworkError(
+                f"verl {version}: {trigger}.{site.name}{params} is not the function kl-adapters was tested with "
+                f"(verl{SUPPORTED}, parameters {site.params})")
+        wrapper = functools.wraps(original)(site.wrap(original))
+        setattr(wrapper, _ORIGINAL, original)
+        targets = _verl_modules() if site.everywhere else [module]
+        for target in targets:
+            if target is module or vars(target).get(site.name) is original:
+                setattr(target, site.name, wrapper)
+
+
+def unpatch() -> None:
+    """Restore every verl function this adapter wrapped, in every loaded verl module that holds a wrapper."""
+    for module in _verl_modules():
+        for name, value in list(vars(module).items()):
+            if _is_ours(value):
+                setattr(module, name, getattr(value, _ORIGINAL))

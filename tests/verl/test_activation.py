@@ -1,0 +1,134 @@
+"""How the adapter gets into a verl process, and its guards: the `verl.plugins` entry point (every process that imports
+verl), the KL_ADAPTERS .pth hook, `external_lib` (late import: name-import sites rebound), the version and
+code-path guards."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kl_adapters import activation
+from kl_adapters.adapters import _guard, verl_plugin
+from kl_adapters.adapters import verl as verl_adapter
+from kl_adapters.adapters._guard import UnsupportedFrameworkError
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    import verl.workers.utils.losses as losses
+    import verl.workers.engine_workers as engine_workers
+    from kl_adapters import activation
+
+    def state():
+        ours = lambda fn: hasattr(fn, "__kl_adapters_original__")
+        return {"kl_penalty": ours(losses.kl_penalty), "engine_ppo_loss": ours(engine_workers.ppo_loss),
+                "active": str(activation.active())}
+
+    out = {"start": state()}
+    if "--external-lib" in sys.argv:  # what actor_rollout_ref.model.external_lib=... does, after verl is loaded
+        import kl_adapters.adapters.verl_plugin
+        out["after_external_lib"] = state()
+    print("PROBE" + json.dumps(out))
+""")
+
+
+CASES = {  # name -> (environment, arguments) of one fresh interpreter importing verl
+    "entry_point": ({}, ()),
+    "external_lib": ({"VERL_USE_EXTERNAL_PLUGINS": "none"}, ("--external-lib",)),
+    "pth_hook": ({"VERL_USE_EXTERNAL_PLUGINS": "none", activation.ENV_VAR: "sequence"}, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict:
+    """Run every probe interpreter concurrently (each imports verl: seconds apiece)."""
+    tmp = tmp_path_factory.mktemp("probe")
+    script = tmp / "probe.py"
+    script.write_text(PROBE)
+    base = {k: v for k, v in os.environ.items() if k not in (activation.ENV_VAR, "VERL_USE_EXTERNAL_PLUGINS")}
+    running = {name: subprocess.Popen([sys.executable, str(script), *args], env={**base, **env}, cwd=tmp,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name, (env, args) in CASES.items()}
+    results = {}
+    for name, proc in running.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("PROBE"))[5:])
+    return results
+
+
+def test_triggers_are_the_patched_modules():
+    assert set(activation.ADAPTERS["verl"][1]) == set(verl_adapter.SITES)
+
+
+def test_entry_point_is_registered_for_verl():
+    (ep,) = [ep for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.name == "kl_adapters"]
+    assert ep.value == "kl_adapters.adapters.verl_plugin"
+
+
+def test_entry_point_patches_inertly(probes):
+    """No flag: every process importing verl is patched by the entry point, nothing is active (bit-identity of the
+    inert wrappers: test_loss_path / test_reward_path ::test_flag_off_is_bit_identical_to_upstream)."""
+    assert probes["entry_point"]["start"] == {"kl_penalty": True, "engine_ppo_loss": True, "active": "None"}
+
+
+def test_external_lib_import_patches_late_and_rebinds_name_imports(probes):
+    out = probes["external_lib"]
+    assert out["start"] == {"kl_penalty": False, "engine_ppo_loss": False, "active": "None"}
+    assert out["after_external_lib"] == {"kl_penalty": True, "engine_ppo_loss": True, "active": "None"}
+
+
+def test_environment_variable_alone_activates_through_the_pth_hook(probes):
+    out = probes["pth_hook"]
+    assert out["start"] == {"kl_penalty": True, "engine_ppo_loss": True, "active": "sequence"}
+
+
+@pytest.fixture()
+def verl_version(monkeypatch):
+    real = importlib.metadata.version
+
+    def fake(version):
+        monkeypatch.setattr(_guard.importlib.metadata, "version",
+                            lambda dist: version if dist == "verl" else real(dist))
+
+    return fake
+
+
+def test_untested_verl_version_is_refused(verl_version, monkeypatch):
+    verl_adapter.unpatch()
+    verl_version("0.9.2")
+    with pytest.raises(UnsupportedFrameworkError, match=r"supports verl==0\.9\.1 .* found verl==0\.9\.2"):
+        verl_adapter.patch("verl.workers.utils.losses")
+    with pytest.raises(UnsupportedFrameworkError):
+        activation.enable("sequence")  # an explicit activation fails loudly
+    activation.disable()
+    monkeypatch.setenv(_guard.ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="found verl==0.9.2"):
+        verl_adapter.patch("verl.workers.utils.losses")
+    monkeypatch.undo()  # before the autouse fixture re-patches
+
+
+def test_plugin_leaves_an_untested_verl_unpatched_with_a_warning(verl_version, caplog, monkeypatch):
+    verl_version("0.10.0")
+    armed = set(activation._armed)
+    activation._armed.clear()
+    try:
+        verl_plugin.install()
+        assert "verl" not in activation._armed  # nothing will patch verl as it is imported
+        assert "verl adapter inactive" in caplog.text and "verl==0.10.0" in caplog.text
+    finally:
+        activation._armed |= armed
+        monkeypatch.undo()  # before the autouse fixture re-patches
+
+
+def test_changed_verl_function_is_refused(monkeypatch):
+    from verl.workers.utils import losses
+
+    verl_adapter.unpatch()
+    monkeypatch.setattr(losses, "kl_penalty", lambda logprob, ref_logprob: logprob - ref_logprob)
+    with pytest.raises(UnsupportedFrameworkError, match="kl_penalty.*not the function kl-adapters was tested with"):
+        verl_adapter.patch("verl.workers.utils.losses")
+    monkeypatch.undo()  # before the autouse fixture re-patches

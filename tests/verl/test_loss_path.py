@@ -1,0 +1,177 @@
+"""verl's real actor loss (`verl.workers.utils.losses.ppo_loss`, used by the FSDP and Megatron engines) on a tiny random
+Llama: with a preset selected, its gradient is verl's task-loss gradient plus the gradient of `kl_surrogate` on the
+same tensors, with beta_seq = per_sequence_beta(kl_loss_coef, mask, loss_agg_mode, num_tokens=<verl's global count>).
+
+Identity checked, per preset p with weights c (the preset's per-token gradient weight):
+    grad ppo_loss = grad task + kl_loss_coef * grad agg_loss(c_t * log pi_t)
+                  = grad task + grad kl_surrogate(..., preset=p, beta=beta_seq, old_logp=old_log_probs).
+"""
+
+import pytest
+import torch
+from verl_cases import Case, R, actor_config, flat_grad, padded
+
+from kl_adapters import PRESETS, activation, kl_surrogate, per_sequence_beta, sequence_kl
+from kl_adapters.adapters import verl as verl_adapter
+
+MODES = ("token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
+COEF = 0.3
+
+
+def beta_seq(case: Case, mode: str, num_tokens=None) -> float:
+    mask = case.tokens["response_mask"]
+    return per_sequence_beta(COEF, mask, mode, num_tokens=num_tokens, max_length=R)
+
+
+def assert_close(a, b, rtol=1e-5):
+    err = ((a - b).norm() / b.norm()).item()
+    assert err < rtol, f"relative error {err:.2e}"
+
+
+def assert_kl_part(flagged, task, kl):
+    """flagged == task + kl, checked on the KL part alone (it is a few % of the total on this problem)."""
+    assert_close(flagged - task, kl, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def off_policy():
+    return Case(seed=0)
+
+
+@pytest.fixture(scope="module")
+def on_policy():
+    return Case(seed=1, on_policy=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_gradient_is_task_plus_kl_surrogate(off_policy, preset, mode):
+    case = off_policy
+    flagged, _, metrics = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}", loss_agg_mode=mode))
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False, loss_agg_mode=mode))
+    kl = case.surrogate_grad(preset=preset, beta=beta_seq(case, mode))
+    assert_kl_part(flagged, task, kl)
+    assert {"actor/pg_loss", "kl_loss", "kl_coef", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap"} <= set(metrics)
+
+
+@pytest.mark.parametrize("preset", ["sequence", "reward", "token"])
+def test_on_policy_gradient(on_policy, preset):
+    case = on_policy
+    flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}"))
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
+    assert_kl_part(flagged, task, case.surrogate_grad(preset=preset, beta=beta_seq(case, "token-mean")))
+
+
+@pytest.mark.parametrize("mode, dp_size", [("token-mean", 1), ("token-mean", 2), ("seq-mean-token-sum", 1),
+                                           ("seq-mean-token-sum", 2), ("token-sum", 2)])
+def test_micro_batch_keeps_verls_normaliser(off_policy, mode, dp_size):
+    """One micro-batch of a mini-batch 3x larger, on one of dp_size ranks: verl's agg_loss divides by the global
+    counts and multiplies by dp_size; the KL term shares that divisor D, i.e. beta_seq = kl_loss_coef * B / D with
+    D = batch_num_tokens / dp (token-mean), global_batch_size / dp (seq-mean-token-sum), 1 / dp (token-sum)."""
+    case = off_policy
+    mask = case.tokens["response_mask"]
+    tokens, sequences = 3 * int(mask.sum()), 3 * mask.shape[0]
+    info = dict(batch_num_tokens=tokens, global_batch_size=sequences, dp_size=dp_size)
+    flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence", loss_agg_mode=mode), **info)
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False, loss_agg_mode=mode), **info)
+    divisor = {"token-mean": tokens / dp_size, "seq-mean-token-sum": sequences / dp_size, "token-sum": 1 / dp_size}
+    beta = COEF * mask.shape[0] / divisor[mode]
+    if mode == "token-mean":
+        assert beta == pytest.approx(float(per_sequence_beta(COEF, mask, mode, num_tokens=tokens / dp_size)))
+    assert_kl_part(flagged, task, case.surrogate_grad(preset="sequence", beta=beta))
+
+
+def test_is_clip_option(off_policy):
+    case = off_policy
+    flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence:is_clip=1.5"))
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
+    kl = case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"), is_clip=1.5)
+    assert_kl_part(flagged, task, kl)
+
+
+def test_sequence_level_rollout_is_weights_reweight_each_sequence(off_policy):
+    """Decoupled rollout correction (rollout_is="sequence"): the KL term of sequence b is weighted by verl's W_b."""
+    case = off_policy
+    mask = case.tokens["response_mask"]
+    weights = (torch.linspace(0.5, 1.5, mask.shape[0])[:, None] * mask).float()
+    flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"), rollout_is_weights=weights)
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False), rollout_is_weights=weights)
+    lp = padded(case.log_probs(), case.tokens)
+    beta = COEF / mask.sum()  # per_sequence_beta(COEF, one row, "token-mean", num_tokens=N)
+    kl = sum(weights[b, 0] * kl_surrogate(lp[b:b + 1], case.ref[b:b + 1], mask[b:b + 1], preset="sequence",
+                                           beta=beta, old_logp=case.old[b:b + 1]) for b in range(mask.shape[0]))
+    assert_kl_part(flagged, task, flat_grad(kl, case.model))
+
+
+def test_environment_flag_replaces_verls_estimator(off_policy):
+    """KL_ADAPTERS / enable() replaces whatever kl_loss_type names; a kl_adapters: name wins over it."""
+    case = off_policy
+    activation.enable("reward")
+    by_env, _, _ = case.ppo_grad(actor_config(kl_loss_type="low_var_kl"))
+    by_name, _, _ = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"))
+    activation.disable()
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
+    assert_kl_part(by_env, task, case.surrogate_grad(preset="reward", beta=beta_seq(case, "token-mean")))
+    assert_kl_part(by_name, task, case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean")))
+
+
+@pytest.mark.parametrize("kl_loss_type", ["low_var_kl", "k1", "k2", "k3+", "abs"])
+def test_flag_off_is_bit_identical_to_upstream(off_policy, kl_loss_type):
+    case = off_policy
+    config = actor_config(kl_loss_type=kl_loss_type)
+    grad, loss, metrics = case.ppo_grad(config)
+    verl_adapter.unpatch()
+    upstream_grad, upstream_loss, upstream_metrics = case.ppo_grad(config)
+    assert torch.equal(grad, upstream_grad) and torch.equal(loss, upstream_loss)
+    assert set(metrics) == set(upstream_metrics)
+
+
+def test_token_preset_is_verls_k3_plus_on_policy(on_policy):
+    """The `token` preset (c_t = rho_t k1_t) is what verl's k3+ straight-through computes (rho = 1 on-policy)."""
+    native, _, _ = on_policy.ppo_grad(actor_config(kl_loss_type="k3+"))
+    ours, _, _ = on_policy.ppo_grad(actor_config(kl_loss_type="kl_adapters:token"))
+    assert_close(ours, native)
+
+
+def test_metrics_keep_verls_names_and_read_as_a_kl(off_policy):
+    case = off_policy
+    mask = case.tokens["response_mask"]
+    _, _, metrics = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"))
+    with torch.no_grad():
+        lp = padded(case.log_probs(), case.tokens)
+    per_seq = sequence_kl(lp, case.ref, mask, old_logp=case.old)
+    kl_loss = float(metrics["kl_loss"].values[0])
+    assert kl_loss == pytest.approx(float(per_seq.sum() / mask.sum()), rel=1e-5)  # token-mean of the sequence KL
+    assert float(metrics["kl_adapters/seq_kl"].values[0]) == pytest.approx(float(per_seq.mean()), rel=1e-5)
+    assert metrics["kl_coef"] == COEF
+    _, _, same = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:k3-loss"))
+    assert float(same["kl_adapters/grad_weight_gap"].values[0]) < 1e-6  # verl's low_var_kl has k3-loss's gradient
+
+
+@pytest.mark.parametrize("kl_loss_type, error", [
+    ("kl_adapters:bogus", "unknown KL preset 'bogus'; valid presets: sequence"),
+    ("kl_adapters:k1-loss:is_clip=2", "applies no importance weights"),
+    ("kl_adapters:off", "selects no preset"),
+])
+def test_bad_flag_values_raise(off_policy, kl_loss_type, error):
+    with pytest.raises(ValueError, match=error):
+        off_policy.ppo_grad(actor_config(kl_loss_type=kl_loss_type))
+
+
+def test_length_normalized_aggregation_is_refused(off_policy):
+    with pytest.raises(ValueError, match="seq-mean-token-mean.*length-normalized KL"):
+        off_policy.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence", loss_agg_mode="seq-mean-token-mean"))
+
+
+def test_full_is_refused_when_a_flag_would_replace_it(off_policy):
+    activation.enable("sequence")
+    with pytest.raises(ValueError, match="'full'.*NotImplementedError"):
+        off_policy.ppo_grad(actor_config(kl_loss_type="full"))
+
+
+def test_non_finite_reference_log_prob_is_a_clear_error(off_policy):
+    case = Case(seed=0)
+    case.ref = case.ref.clone()
+    case.ref[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="ref_logp has non-finite values"):
+        case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"))

@@ -45,7 +45,8 @@ class Settings:
     is_clip: float | None = None
 
     def __str__(self) -> str:
-        return self.preset if self.is_clip is None else f"{self.preset}:is_clip={self.is_clip:g}"
+        """KL_ADAPTERS syntax; round-trips through `parse` exactly (repr of a float is its shortest exact form)."""
+        return self.preset if self.is_clip is None else f"{self.preset}:is_clip={float(self.is_clip)!r}"
 
 
 def parse(value: str | None, *, check_preset: bool = True) -> Settings | None:

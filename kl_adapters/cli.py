@@ -1,4 +1,4 @@
-"""The `kl-adapters` command: `audit` (exact gradient table), `presets` (the registry)."""
+"""The `kl-adapters` command: `audit` (exact gradient table), `demo` (the exact-objective benchmark), `presets`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo.run import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kl-adapters", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--is-clip", type=float, default=2.0, help="cap for the extra clipped 'sequence' row; 0 = no row")
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=_audit)
+    d = sub.add_parser("demo", help="train a tiny transformer with TRL under each KL configuration; exact evaluation")
+    from .demo.run import add_arguments
+
+    add_arguments(d)
+    d.set_defaults(func=_demo)
     p = sub.add_parser("presets", help="list the presets and what gradient each produces")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_presets)

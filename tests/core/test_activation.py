@@ -61,7 +61,7 @@ def test_enable_after_import_patches_at_once_and_is_idempotent(fake_framework):
     assert fakefw.losses.kl() == "original"
     activation.enable("reward")
     activation.enable("sequence", is_clip=3.0)
-    assert fakefw.losses.kl() == "patched:sequence:is_clip=3"
+    assert fakefw.losses.kl() == "patched:sequence:is_clip=3.0"
     assert fake_adapter.calls == ["fakefw.losses", "fakefw.losses"]  # patch() ran twice, wrapped once
 
 
@@ -104,6 +104,11 @@ def test_parse_rejects(value, message):
         parse(value)
 
 
+def test_settings_round_trip_exactly():
+    settings = Settings("sequence", 1.23456789012345)
+    assert parse(str(settings)) == settings
+
+
 def test_config_flag_wins_over_environment(fake_framework):
     activation.enable("reward")
     assert activation.resolve("sequence") == Settings("sequence")
@@ -124,7 +129,7 @@ def test_pth_hook_activates_at_startup_without_importing_torch(tmp_path):
             "print('torch' in sys.modules, a.active(), any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))")
     env = {**os.environ, "KL_ADAPTERS": "sequence:is_clip=2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "sequence:is_clip=2", "True"]
+    assert out.stdout.split() == ["False", "sequence:is_clip=2.0", "True"]
     env.pop("KL_ADAPTERS")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "None", "False"]

@@ -89,5 +89,5 @@ def test_driver_forwards_the_active_setting_to_every_ray_worker():
     assert main_ppo.get_ppo_ray_runtime_env() == upstream()  # flag off: verl's runtime_env unchanged
     activation.enable("sequence", is_clip=3.0)
     env = main_ppo.get_ppo_ray_runtime_env()
-    assert env["env_vars"][activation.ENV_VAR] == "sequence:is_clip=3"
+    assert env["env_vars"][activation.ENV_VAR] == "sequence:is_clip=3.0"
     assert {k: v for k, v in env["env_vars"].items() if k != activation.ENV_VAR} == upstream()["env_vars"]

@@ -1,0 +1,170 @@
+"""OpenRLHF loss path: cost of kl-adapters (preset "sequence") vs OpenRLHF's own KL loss (k3, --algo.kl.use_loss).
+
+Two measurements, on the same tiny random Llama and one fixed micro-batch (deterministic: fixed seeds and sizes):
+  training_step  OpenRLHF's ActorPPOTrainer.training_step: forward, PolicyLoss, KL loss, backward, optimizer step
+                 (SGD with lr 0, so every repeat sees the same parameters)
+  kl_term        only the KL: compute_approx_kl through ppo_actor's binding + aggregate_loss + backward, on fixed
+                 [B, T] log-prob tensors (where the adapter adds work: worst case, absolute cost)
+The two configurations alternate call by call (ABBA order, `--repeats` timed calls each after 5 warm-up calls), so
+drift in machine load hits both alike; the result file holds every timing, the medians, their ratio and the median of
+the per-pair ratios. On CPU it runs single-threaded with the test suite's import stubs (flash_attn, vllm) and CPU
+strategy shim from tests/openrlhf.
+Usage: .venvs/openrlhf/bin/python bench/openrlhf_overhead.py [--repeats 100] [--hidden 64] [--batch 8]
+       [--response 64] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "openrlhf")]
+if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("vllm") is None:
+    sys.path.insert(0, str(ROOT / "tests" / "openrlhf" / "cpu_stubs"))
+
+import torch  # noqa: E402
+from openrlhf_cpu_shim import cuda_shims, load_actor, random_batch, save_tiny_model  # noqa: E402
+from openrlhf_harness import base_argv, build_trainer, cli_args  # noqa: E402
+from timing import measure, write_result  # noqa: E402
+
+import kl_adapters  # noqa: E402
+from kl_adapters.adapters import openrlhf as adapter  # noqa: E402
+
+BETA = 0.01
+
+
+def setup(opts, folder: str):
+    model_dir = save_tiny_model(os.path.join(folder, "actor"), seed=1, hidden=opts.hidden)
+    ref_dir = save_tiny_model(os.path.join(folder, "ref"), seed=2, hidden=opts.hidden)
+    args = cli_args(base_argv(model_dir))  # --algo.kl.use_loss --algo.kl.estimator k3
+    lengths = [opts.response - (7 * b) % (opts.response // 2) for b in range(opts.batch)]  # ragged, deterministic
+    sequences, attention_mask, action_mask = random_batch(opts.batch, 16, lengths, seed=0)
+    actor, ref = load_actor(model_dir).to(opts.device), load_actor(ref_dir).to(opts.device)
+    tensors = [t.to(opts.device) for t in (sequences, attention_mask, action_mask)]
+    with torch.no_grad():
+        old = actor(tensors[0], tensors[2], attention_mask=tensors[1])
+        base = ref(tensors[0], tensors[2], attention_mask=tensors[1])
+    return args, actor, tensors, old, base
+
+
+def experience(tensors, old, base):
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    sequences, attention_mask, action_mask = tensors
+    advantages = torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(1)).to(old.device)
+    return Experience(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
+                      action_log_probs=old, base_action_log_probs=base, advantages=advantages * action_mask,
+                      index=list(range(len(sequences))), info={})
+
+
+def training_step_fn(args, actor, tensors, old, base, device):
+    from openrlhf.utils.loss_utils import get_loss_batch_info
+
+    trainer = build_trainer(args, actor, micro_batch=len(old), gas=1, lr=0.0, device=device, record=False)
+    exp = experience(tensors, old, base)
+    info = get_loss_batch_info(trainer.strategy, exp.action_mask)
+
+    def run():
+        exp.info = {}  # training_step writes its metrics there
+        return trainer.training_step(exp, BETA, 0, info)
+
+    return run
+
+
+def kl_term_fn(tensors, old, base):
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    from openrlhf.models import aggregate_loss
+    from openrlhf.utils.loss_utils import get_loss_batch_info
+
+    mask = tensors[2]
+    info = get_loss_batch_info(None, mask)
+    exp = experience(tensors, old, base)
+
+    def run():
+        logp = (old + 0.01).requires_grad_(True)
+        kl = ppo_actor.compute_approx_kl(logp, base, log_probs_old=old, kl_estimator="k3")
+        (aggregate_loss(kl, mask, **info) * BETA).backward()
+
+    def patched():  # the context the patched training_step sets around OpenRLHF's own
+        token = adapter._loss_step.set(adapter._LossStep(kl_adapters.activation.active(), exp, info))
+        try:
+            run()
+        finally:
+            adapter._loss_step.reset(token)
+
+    return run, patched
+
+
+def paired_times(fns: dict, switch, repeats: int, warmup: int, sync) -> dict[str, list[float]]:
+    """Time each configuration's fn once per repeat, alternating the order (ABBA) so drift in machine load cancels."""
+    configs, times = list(fns), {c: [] for c in fns}
+    for i in range(warmup + repeats):
+        for config in configs if i % 2 == 0 else configs[::-1]:
+            switch(config)
+            times[config].append(measure(fns[config], repeats=1, warmup=0, sync=sync)["median_s"])
+    return {c: t[warmup:] for c, t in times.items()}
+
+
+def switch(config: str) -> None:
+    if config == "native":
+        kl_adapters.disable()
+    elif kl_adapters.activation.active() is None:
+        kl_adapters.enable("sequence")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    opts = parser.parse_args()
+    torch.manual_seed(0)
+    if opts.device == "cpu":
+        torch.set_num_threads(1)
+        for (owner, name), fn in cuda_shims().items():
+            setattr(owner, name, fn)
+    sync = torch.cuda.synchronize if opts.device == "cuda" else None
+    with tempfile.TemporaryDirectory() as folder:
+        args, actor, tensors, old, base = setup(opts, folder)
+    step = training_step_fn(args, actor, tensors, old, base, opts.device)
+    kl_native, kl_patched = kl_term_fn(tensors, old, base)
+    for config in ("native", "kl_adapters_sequence"):
+        switch(config)
+        assert (adapter.SEQ_KL in step()["metrics"]) == (config != "native"), "the patch must act iff enabled"
+    times = {"training_step": paired_times({"native": step, "kl_adapters_sequence": step}, switch, opts.repeats, 5,
+                                           sync),
+             "kl_term": paired_times({"native": kl_native, "kl_adapters_sequence": kl_patched}, switch, opts.repeats,
+                                     5, sync)}
+    kl_adapters.disable()
+
+    result = {"model": f"tiny random Llama, hidden {opts.hidden}, 2 layers, vocabulary 64",
+              "batch": f"{opts.batch} sequences x 16 prompt + up to {opts.response} response tokens (ragged)",
+              "device": opts.device, "threads": torch.get_num_threads(), "beta": BETA,
+              "openrlhf_kl": "--algo.kl.use_loss --algo.kl.estimator k3 (native) vs --algo.kl.preset sequence",
+              "repeats": opts.repeats}
+    for measurement, per_config in times.items():
+        med = {c: statistics.median(t) for c, t in per_config.items()}
+        pairs = [b / a for a, b in zip(per_config["native"], per_config["kl_adapters_sequence"])]
+        result[measurement] = {"median_s": med, "ratio": med["kl_adapters_sequence"] / med["native"],
+                               "median_paired_ratio": statistics.median(pairs), "times_s": per_config}
+    path = write_result(f"openrlhf_overhead_{opts.device}", result)
+    for measurement in times:
+        r = result[measurement]
+        print(f"{measurement:14s} native {1e3 * r['median_s']['native']:.2f} ms  kl-adapters "
+              f"{1e3 * r['median_s']['kl_adapters_sequence']:.2f} ms  ratio {r['ratio']:.3f}")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""CPU import stub for tests only (see vllm/__init__.py)."""
+
+TokensPrompt = dict

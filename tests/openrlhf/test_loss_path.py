@@ -1,0 +1,217 @@
+"""Loss path (--algo.kl.use_loss): OpenRLHF's own ActorPPOTrainer.ppo_train on a tiny random Llama, CPU strategy shim.
+
+Setup: 8 sequences of ragged length, micro-batches of 2, gradient accumulation 2 (so an optimizer step sees 4
+sequences in 2 micro-batches), 2 epochs (4 optimizer steps, parameters moving between them), PPO advantages != 0,
+and behaviour log-probs from a perturbed policy (off-policy from the first step on).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+
+import pytest
+import torch
+
+import kl_adapters
+from kl_adapters import activation, kl_coefficients, kl_surrogate, sequence_kl
+from kl_adapters.adapters import openrlhf as adapter
+from kl_adapters.adapters._guard import UnsupportedFrameworkError
+from openrlhf_cpu_shim import load_actor, perturbed, random_batch
+from openrlhf_harness import base_argv, build_trainer, cli_args, record_steps
+
+BETA, MICRO, GAS, LR = 0.1, 2, 2, 0.5
+RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def args(actor_dir):
+    return cli_args(base_argv(actor_dir))  # --algo.kl.use_loss --algo.kl.estimator k3 --train.max_epochs 2
+
+
+@pytest.fixture(scope="module")
+def batch(actor_dir, ref_dir):
+    actor, ref = load_actor(actor_dir), load_actor(ref_dir)
+    behaviour = perturbed(actor, 0.05, seed=3)
+    sequences, attention_mask, action_mask = random_batch(len(RESPONSES), 4, RESPONSES, seed=0)
+    with torch.no_grad():
+        old = behaviour(sequences, action_mask, attention_mask=attention_mask)
+        base = ref(sequences, action_mask, attention_mask=attention_mask)
+    advantages = 0.3 * torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(4)) * action_mask
+    return dict(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, action_log_probs=old,
+                base_action_log_probs=base, advantages=advantages)
+
+
+def run(args, actor_dir, batch, mesh=None, device="cpu"):
+    """ppo_train on the batch; returns the trainer (its strategy logs every step) and the recorded training steps."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    trainer = build_trainer(args, load_actor(actor_dir).to(device), micro_batch=MICRO, gas=GAS, lr=LR, device=device)
+    trainer.strategy.ds_device_mesh = mesh
+    steps = record_steps(trainer)
+    trainer.replay_buffer.append(Experience(**{k: v.clone() for k, v in batch.items()},
+                                            total_length=batch["attention_mask"].sum(-1),
+                                            index=list(range(len(RESPONSES))), info={}))
+    torch.manual_seed(0)  # ppo_train shuffles the replay buffer
+    status = trainer.ppo_train(kl_ctl=BETA)
+    return trainer, steps, status
+
+
+def load_params(actor_dir, params):
+    model = load_actor(actor_dir).to(next(iter(params.values())).device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+def reference_grad(model, window, trainer, settings, beta, gas=GAS):
+    """grad of  sum_micro PolicyLoss / gas  +  beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq).
+
+    The KL part is computed one sequence at a time (B = 1), so its divisor is the count N_seq of non-empty sequences
+    in the optimizer step, counted here, not OpenRLHF's normaliser."""
+    task, per_sequence = 0.0, []
+    for exp, info in window:
+        logp = model(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
+        task = task + trainer.actor_loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
+                                            **info)[0] / gas
+        per_sequence += [kl_surrogate(logp[b:b + 1], exp.base_action_log_probs[b:b + 1], exp.action_mask[b:b + 1],
+                                      preset=settings.preset, old_logp=exp.action_log_probs[b:b + 1],
+                                      is_clip=settings.is_clip)
+                         for b in range(len(logp)) if exp.action_mask[b].any()]
+    loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device, preset", [("cpu", "sequence"), ("cpu", "sequence:is_clip=1.5"), ("cpu", "reward"),
+                                            ("cpu", "k3-loss"), pytest.param("cuda", "sequence", marks=ON_GPU)])
+def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, device, preset):
+    """Every optimizer step's gradient = grad(OpenRLHF's task loss) + beta * grad[(1/N_seq) sum_b kl_surrogate_b].
+
+    kl_surrogate_b's gradient is the preset's sum_t c_t grad log pi_t with the behaviour log-probs as old_logp
+    (for "sequence": the unbiased off-policy estimate of grad KL_seq); exact to float32 rounding on all 4 steps.
+    The cuda case (skipped without CUDA) runs the same check with the model and batches on the GPU."""
+    settings = activation.parse(preset)
+    kl_adapters.enable(settings.preset, is_clip=settings.is_clip)
+    trainer, steps, _ = run(args, actor_dir, batch, device=device)
+    log = trainer.strategy
+    assert len(log.grad_log) == len(steps) // GAS == 4
+    for k, grad in enumerate(log.grad_log):
+        window = steps[GAS * k:GAS * (k + 1)]
+        model = load_params(actor_dir, log.params_log[k])
+        expected = reference_grad(model, window, trainer, settings, BETA)
+        task_only = reference_grad(model, window, trainer, settings, 0.0)
+        kl_part = (expected - task_only).norm()
+        assert kl_part > 0.1 * expected.norm(), "the KL term must matter in this test"
+        assert (grad - expected).norm() < 1e-4 * kl_part, f"step {k}"
+
+    # step 0's metrics: OpenRLHF's `kl` keeps its value (k3, token mean); ours are added beside it
+    from openrlhf.models import aggregate_loss
+    from openrlhf.models.utils import compute_approx_kl
+
+    exp, info = steps[0]
+    with torch.no_grad():
+        logp = load_params(actor_dir, log.params_log[0])(exp.sequences, exp.action_mask,
+                                                         attention_mask=exp.attention_mask)
+        native_kl = aggregate_loss(compute_approx_kl(logp, exp.base_action_log_probs, exp.action_log_probs, "k3"),
+                                   exp.action_mask, **info)
+    torch.testing.assert_close(exp.info["kl"], native_kl, rtol=1e-6, atol=0)
+    torch.testing.assert_close(exp.info[adapter.SEQ_KL],
+                               sequence_kl(logp, exp.base_action_log_probs, exp.action_mask,
+                                           old_logp=exp.action_log_probs, is_clip=settings.is_clip), rtol=1e-5, atol=0)
+    weights = [kl_coefficients(logp, exp.base_action_log_probs, exp.action_mask, preset=p, old_logp=exp.action_log_probs,
+                               is_clip=c) for p, c in (("k3-loss", None), (settings.preset, settings.is_clip))]
+    gap = exp.info[adapter.GRAD_WEIGHT_GAP]  # sum |c_native - c_preset| / sum |c_preset|, native = OpenRLHF's k3 loss
+    torch.testing.assert_close(gap, (weights[0] - weights[1]).abs().sum() / weights[1].abs().sum())
+    assert gap.dim() == 0 and (gap == 0) == (preset == "k3-loss")
+
+
+def test_flag_off_is_bit_identical(args, actor_dir, batch, cpu_cuda):
+    """Patched but switched off by the flag (--algo.kl.preset none): gradients and metrics bit-identical to OpenRLHF
+    never patched; disable() restores OpenRLHF's own functions."""
+    import openrlhf.models.utils as model_utils
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    original = ppo_actor.ActorPPOTrainer.training_step
+    pristine, _, pristine_status = run(args, actor_dir, batch)
+    kl_adapters.enable("sequence")
+    assert ppo_actor.ActorPPOTrainer.training_step is not original
+    off = copy.deepcopy(args)
+    off.algo.kl.preset = "none"
+    patched, _, patched_status = run(off, actor_dir, batch)
+    kl_adapters.disable()
+    assert ppo_actor.ActorPPOTrainer.training_step is original
+    assert ppo_actor.compute_approx_kl is model_utils.compute_approx_kl
+    assert len(pristine.strategy.grad_log) == len(patched.strategy.grad_log) == 4
+    for a, b in zip(pristine.strategy.grad_log, patched.strategy.grad_log):
+        assert torch.equal(a, b)
+    assert patched_status == pristine_status
+
+
+def test_conflict_is_refused_inside_the_trainer(args, actor_dir, batch, cpu_cuda):
+    """Activated without the CLI (KL_ADAPTERS / enable), the checks run where the KL is computed."""
+    kl_adapters.enable("sequence")
+    bad = copy.deepcopy(args)
+    bad.algo.kl.unbiased_gradient = True
+    with pytest.raises(ValueError, match="unbiased_gradient"):
+        run(bad, actor_dir, batch)
+
+
+def test_version_guard(monkeypatch):
+    """Another OpenRLHF version is refused with the supported range; KL_ADAPTERS_ALLOW_UNTESTED=1 only warns."""
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.11.1" if d == "openrlhf" else version(d))
+    original = ppo_actor.ActorPPOTrainer.training_step
+    with pytest.raises(UnsupportedFrameworkError, match=r"openrlhf==0\.11\.2"):
+        kl_adapters.enable("sequence")
+    assert ppo_actor.ActorPPOTrainer.training_step is original
+    kl_adapters.disable()
+    monkeypatch.setenv("KL_ADAPTERS_ALLOW_UNTESTED", "1")
+    with pytest.warns(RuntimeWarning, match="0.11.1"):
+        kl_adapters.enable("sequence")
+    assert "ActorPPOTrainer.training_step" in adapter.patched()
+
+
+@pytest.fixture
+def process_group():
+    """A one-process gloo group and a CPU "dp" device mesh: what dynamic batching queries (replay_buffer.py:95)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dynamic_batching_gradient(args, actor_dir, batch, cpu_cuda, process_group):
+    """--train.dynamic_batch_enable: micro-batches of uneven size (token budget 24) and OpenRLHF's per-step normalisers
+    from the replay buffer; the same identity holds per optimizer step. (OpenRLHF's CLI also turns on packing, which
+    needs flash-attn and is refused as untested; here packing stays off.)"""
+    from openrlhf.utils.loss_utils import get_loss_batch_info
+
+    kl_adapters.enable("sequence")
+    dynamic = copy.deepcopy(args)
+    dynamic.train.dynamic_batch_enable, dynamic.train.max_tokens_per_gpu = True, 24
+    trainer, steps, _ = run(dynamic, actor_dir, batch, mesh=process_group)
+    buffer, log = trainer.replay_buffer, trainer.strategy
+    ends = [i + 1 for i, last in enumerate(buffer.dynamic_optimizer_step * dynamic.train.max_epochs) if last]
+    assert len(log.grad_log) == len(ends) == 4 and len(steps) > len(ends)  # uneven micro-batches per step
+    for k, (start, end) in enumerate(zip([0, *ends], ends)):
+        window = [(exp, get_loss_batch_info(log, exp.action_mask, replay_buffer=buffer, step=i % len(buffer),
+                                            dynamic_batch=True)) for i, (exp, _) in enumerate(steps[start:end], start)]
+        model = load_params(actor_dir, log.params_log[k])
+        expected = reference_grad(model, window, trainer, activation.parse("sequence"), BETA, gas=1)
+        task_only = reference_grad(model, window, trainer, activation.parse("sequence"), 0.0, gas=1)
+        assert (log.grad_log[k] - expected).norm() < 1e-4 * (expected - task_only).norm(), f"step {k}"

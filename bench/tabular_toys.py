@@ -99,19 +99,20 @@ def plot(runs: dict, a: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c, rs in runs.items():
+    for i, (c, rs) in enumerate(runs.items()):
         for ax, key in zip(axes, ("kl_opt", "kl_ref")):
             curves = torch.tensor([r[key] for r in rs])
             mean = curves.mean(0)
-            line, = ax.plot(mean, label=c, lw=1.5)
+            line, = ax.plot(mean, label=c, lw=1.5, ls=("-", "--", ":", "-.")[i % 4])
             ax.fill_between(range(len(mean)), curves.min(0).values, curves.max(0).values, alpha=0.15,
                             color=line.get_color())
     axes[0].set(yscale="log", xlabel="step", ylabel="KL(pi || pi*)  (exact)",
                 title=f"distance to the optimum (V={a.vocab}, T={a.horizon}, beta={a.beta})")
     axes[1].set(xlabel="step", ylabel="KL(pi || pi_ref)  (exact)", title="distance to the reference")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"tabular policy, {a.batch} samples/step, Adam lr {a.lr} decayed linearly; "
-                 f"mean and min-max over {a.seeds} seeds")
+    fig.suptitle(f"tabular policy, {a.batch} samples/step, Adam lr {a.lr} decayed linearly; mean and min-max over "
+                 f"{a.seeds} seeds (sequence and reward coincide: same samples, same per-sample gradient on-policy)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(RESULTS / "tabular_toys.png", dpi=110)
 

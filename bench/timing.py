@@ -6,7 +6,6 @@ Numbers in bench/results/ come only from `write_result`, so every figure carries
 from __future__ import annotations
 
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -34,28 +33,14 @@ def measure(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, syn
             "times_s": times}
 
 
-def environment() -> dict:
-    """Device and package versions of this run."""
-    import torch
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-           "cpu_count": __import__("os").cpu_count(), "device": "cpu"}
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-    for dist in ("trl", "transformers", "verl", "openrlhf", "ray"):
-        try:
-            env[dist] = __import__("importlib.metadata").metadata.version(dist)
-        except Exception:  # noqa: BLE001 - not installed in this environment
-            pass
-    return env
-
-
 def write_result(name: str, data: dict) -> Path:
     """Write bench/results/<name>.json with the command line that produced it and the environment."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     root = RESULTS.parent.parent
     interpreter = Path(sys.executable)
     shown = interpreter.relative_to(root) if interpreter.is_relative_to(root) else interpreter.name
+    from kl_adapters.demo.run import environment
+
     doc = {"command": " ".join(shlex.quote(str(a)) for a in [shown, *sys.argv]),
            "environment": environment(), **data}
     path = RESULTS / f"{name}.json"

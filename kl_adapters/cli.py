@@ -60,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=_audit)
     d = sub.add_parser("demo", help="train a tiny transformer with TRL under each KL configuration; exact evaluation")
-    from .demo.run import add_arguments
+    from .demo.run import add_demo_arguments
 
-    add_arguments(d)
+    add_demo_arguments(d)
     d.set_defaults(func=_demo)
     p = sub.add_parser("presets", help="list the presets and what gradient each produces")
     p.add_argument("--json", action="store_true")

@@ -19,13 +19,13 @@ build() {
   case "$name" in
     core) "${pip[@]}" "${con[@]}" pytest hypothesis numpy matplotlib ;;
     trl) "${pip[@]}" "${con[@]}" "trl==1.16.0" peft pytest hypothesis numpy matplotlib ;;
-    verl) "${pip[@]}" "${con[@]}" "verl==0.9.1" pytest numpy uvicorn fastapi cachetools transferqueue ;;
+    verl) "${pip[@]}" "${con[@]}" "verl==0.9.1" pytest numpy uvicorn fastapi cachetools transferqueue matplotlib ;;
     openrlhf)
       # openrlhf hard-depends on flash-attn + vllm (CUDA only): install it without deps, then what its KL path imports.
       # flash_attn / vllm are replaced by test-only import stubs (tests/openrlhf/cpu_stubs).
       "${pip[@]}" --no-deps "openrlhf==0.11.2"
       "${pip[@]}" "${con[@]}" "transformers==5.15.0" "ray[default]==2.55.0" peft torchdata einops pillow pylatexenc \
-        sympy aiohttp packaging tqdm numpy datasets pytest
+        sympy aiohttp packaging tqdm numpy datasets pytest matplotlib
       "${pip[@]}" "${con[@]}" "deepspeed==0.19.6" ;;
     *) echo "unknown environment: $name (core|trl|verl|openrlhf)" >&2; exit 2 ;;
   esac

@@ -3,7 +3,7 @@
 Completions are strings over a few characters plus end-of-sequence (EOS), at most T tokens, after a one-token prompt
 (defaults: "a", "b" and EOS, T = 5: 63 sequences);
 every sequence can be enumerated (`kl_adapters.audit.sequence_space`). r(y) is a fixed random reward in [0, 1) per
-sequence. The reference pi_ref is the policy's initial state. The objective J(pi) = E_pi[r] - beta * KL(pi || pi_ref)
+sequence (0 for the empty completion). The reference pi_ref is the policy's initial state. The objective J(pi) = E_pi[r] - beta * KL(pi || pi_ref)
 has the known optimum
 
     pi*(y) = pi_ref(y) exp(r(y)/beta) / Z,      J* = J(pi*) = beta * log Z,      Z = sum_y pi_ref(y) exp(r(y)/beta),
@@ -29,7 +29,7 @@ EOS = "<eos>"
 class ToyProblem:
     chars: str = "ab"  # non-EOS tokens; the prompt is chars[0]
     horizon: int = 5  # maximum completion length T
-    beta: float = 0.2
+    beta: float = 0.15
     reward_seed: int = 0
 
     @cached_property
@@ -53,8 +53,16 @@ class ToyProblem:
 
     @cached_property
     def rewards(self) -> Tensor:
+        """r(y) ~ U(0, 1) per sequence (fixed by reward_seed), except r(empty completion) = 0.
+
+        The empty completion is the likeliest sequence under the initial policy; with a high random reward it would
+        hold most of pi*'s mass and attract every run early, dropping whole branches of the tree (measured: the exact
+        gradient of J then stalls at KL(pi||pi*) ~ 0.06 on 63 sequences) -- a property of that draw, not of any KL
+        estimator. "Say something" removes that attractor.
+        """
         gen = torch.Generator().manual_seed(self.reward_seed)
-        return torch.rand(self.space.num_sequences, generator=gen, dtype=torch.float64)
+        r = torch.rand(self.space.num_sequences, generator=gen, dtype=torch.float64)
+        return torch.where(self.space.mask.sum(-1) == 1, 0.0, r)  # length 1 = EOS only = the empty completion
 
     @cached_property
     def reward_of(self) -> dict[str, float]:
@@ -88,20 +96,45 @@ class ToyProblem:
         cfg = GPT2Config(vocab_size=len(self.chars) + 1, n_embd=hidden, n_layer=2, n_head=4, n_positions=16,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                          pad_token_id=0, tie_word_embeddings=False)
-        torch.manual_seed(seed)
-        return GPT2LMHeadModel(cfg).float().eval()
+        model = GPT2LMHeadModel(cfg).float().eval()
+        # Draw the weights ourselves (GPT-2's scheme: N(0, 0.02) matrices, unit gains, zero biases) from a seeded
+        # generator, so that pi_ref -- hence pi* -- is the same whatever transformers version a framework pins.
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, p in sorted(model.named_parameters()):
+                if p.dim() >= 2:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.fill_(1.0 if _is_gain(p, model) else 0.0)
+        return model
+
+
+def completion_logprobs(model, input_ids: Tensor, completion_mask: Tensor, dtype=torch.float32) -> Tensor:
+    """[B, T] log pi(y_t | prompt, y_<t) (with gradient, 0 at padding) of a one-token prompt + completions."""
+    attention = torch.cat([torch.ones_like(input_ids[:, :1]), completion_mask.long()], 1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].to(dtype)
+    lp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.where(completion_mask, lp, torch.zeros((), dtype=dtype))
+
+
+def enumerated_input_ids(problem: ToyProblem) -> Tensor:
+    """[N, 1 + T] prompt token + every completion (EOS-padded)."""
+    prompt = torch.full((problem.space.num_sequences, 1), problem.token_id(0), dtype=torch.long)
+    return torch.cat([prompt, problem.completion_ids], 1)
+
+
+def _is_gain(param, model) -> bool:
+    """LayerNorm weights (gains) start at 1; every other 1-D parameter is a bias and starts at 0."""
+    return any(param is m.weight for m in model.modules() if isinstance(m, torch.nn.LayerNorm))
 
 
 @torch.no_grad()
 def sequence_logprobs(problem: ToyProblem, model) -> Tensor:
     """[N] log pi(y | prompt) of every completion under a causal LM, in float64."""
-    n, t = problem.completion_ids.shape
-    prompt = torch.full((n, 1), problem.token_id(0), dtype=torch.long)
-    ids = torch.cat([prompt, problem.completion_ids], 1).to(model.device)
-    attention = torch.cat([torch.ones(n, 1, dtype=torch.long), problem.space.mask.long()], 1).to(model.device)
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].double()
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
-    return torch.where(problem.space.mask, lp, 0.0).sum(-1)
+    device = next(model.parameters()).device
+    lp = completion_logprobs(model, enumerated_input_ids(problem).to(device), problem.space.mask.to(device),
+                             torch.float64)
+    return lp.sum(-1).cpu()
 
 
 class ExactEvaluator:

@@ -35,12 +35,13 @@ def ratios(summary: dict, baseline: str, candidate: str) -> list[float]:
 
 
 def table(summary: dict, title: str) -> str:
-    head = (f"{'configuration':<14}{'J*-J final':>20}{'J*-J AUC':>20}{'KL(pi||pi*) final':>22}"
+    width = max(14, *(len(c) + 2 for c in summary))
+    head = (f"{'configuration':<{width}}{'J*-J final':>20}{'J*-J AUC':>20}{'KL(pi||pi*) final':>22}"
             f"{'KL(pi||pi*) AUC':>20}{'E[r] final':>12}{'KL(pi||ref)':>12}")
     lines = [title, head, "-" * len(head)]
     for config, row in summary.items():
         cell = lambda m, k: f"{row[m][k + '_mean']:.4f} +- {row[m][k + '_std']:.4f}"  # noqa: E731
-        lines.append(f"{config:<14}{cell('gap', 'final'):>20}{cell('gap', 'auc'):>20}{cell('kl_opt', 'final'):>22}"
+        lines.append(f"{config:<{width}}{cell('gap', 'final'):>20}{cell('gap', 'auc'):>20}{cell('kl_opt', 'final'):>22}"
                      f"{cell('kl_opt', 'auc'):>20}{row['reward']['final_mean']:>12.4f}{row['kl_ref']['final_mean']:>12.4f}")
     return "\n".join(lines)
 
@@ -52,12 +53,12 @@ def plot(histories: dict[str, list[list[dict]]], path: Path, title: str) -> None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for config, runs in histories.items():
+    for k, (config, runs) in enumerate(histories.items()):
         for ax, m in zip(axes, METRICS):
             curves = [[h[m] for h in run] for run in runs]
             steps = range(len(curves[0]))
             mean = [statistics.fmean(c[i] for c in curves) for i in steps]
-            line, = ax.plot(steps, mean, label=config, lw=1.5)
+            line, = ax.plot(steps, mean, label=config, lw=1.5, ls=("-", "--", ":", "-.")[k % 4])
             ax.fill_between(steps, [min(c[i] for c in curves) for i in steps],
                             [max(c[i] for c in curves) for i in steps], alpha=0.15, color=line.get_color())
     for ax, m in zip(axes, METRICS):

@@ -1,25 +1,67 @@
-"""`kl-adapters demo`: train the toy problem under each KL configuration with a real trainer, evaluate exactly.
+"""`kl-adapters demo`, and the shared driver of every framework's run of the exact-objective benchmark.
 
-Runs every (configuration, seed) pair in `--workers` processes, then writes <out>/demo_<framework>.{json,png,txt}:
-per-step exact E[r], KL(pi||pi_ref), J, J* - J and KL(pi||pi*) for every run, a summary (final value and area under
-the curve, mean and spread over seeds), and the per-seed ratio KL(pi||pi*)[trl-default] / KL(pi||pi*)[sequence].
+A benchmark trains the toy problem's policy under each KL configuration with one framework's real code (TRL's
+GRPOTrainer here; verl's and OpenRLHF's loss code in bench/demo_verl.py and bench/demo_openrlhf.py through
+`harness`), evaluating the objective exactly after every step. `run_benchmark` runs every (configuration, seed) pair in
+worker processes and writes <out>/<name>.{json,png,txt}: per-step exact E[r], KL(pi||pi_ref), J, J* - J and
+KL(pi||pi*) for every run, the summary (final value and area under the curve, mean and spread over seeds), and the
+per-seed ratio KL(pi||pi*)[baseline] / KL(pi||pi*)[candidate] at the final step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import multiprocessing
 import os
+import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import report
+from .harness import TrainSettings
 from .problem import ToyProblem
-from .trl_runner import CONFIGS, TrainSettings, run_trl
+
+#: (problem, configuration, seed, settings) -> (per-step exact metrics, the framework's own per-step metrics or None)
+RunFn = Callable[[ToyProblem, str, int, TrainSettings], tuple[list[dict], object]]
+
+#: `kl-adapters demo` without --long: a few minutes on 2 cores (too short for the configurations to converge)
+QUICK = TrainSettings()
+#: the committed benchmark: long enough for the unbiased configurations to approach pi*
+LONG = TrainSettings(steps=600, group=512, learning_rate=3e-3)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # output stem
+    framework: str  # for titles
+    run: RunFn  # module-level, so that worker processes can unpickle it
+    configs: dict[str, str]  # configuration -> description
+    baseline: str  # the framework's default KL configuration
+    candidate: str  # kl-adapters' sequence preset under that framework's flag
+
+
+def add_arguments(p: argparse.ArgumentParser, configs: dict[str, str], defaults: TrainSettings) -> None:
+    p.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps per run ({defaults.steps})")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (3)")
+    p.add_argument("--group", type=int, default=defaults.group, help=f"completions per step ({defaults.group})")
+    p.add_argument("--lr", type=float, default=defaults.learning_rate,
+                   help=f"Adam learning rate, decayed linearly to 0 ({defaults.learning_rate})")
+    p.add_argument("--beta", type=float, default=ToyProblem.beta, help=f"KL coefficient ({ToyProblem.beta})")
+    p.add_argument("--horizon", type=int, default=ToyProblem.horizon,
+                   help=f"maximum completion length T ({ToyProblem.horizon})")
+    p.add_argument("--chars", default=ToyProblem.chars, help=f"non-EOS tokens ('{ToyProblem.chars}')")
+    p.add_argument("--configs", default=",".join(configs),
+                   help="comma-separated subset of: " + "; ".join(f"{k} ({v})" for k, v in configs.items()))
+    p.add_argument("--workers", type=int, default=2, help="parallel processes, one torch thread each (2; 0: in "
+                   "this process)")
+    p.add_argument("--out", default="bench/results", help="output folder (bench/results)")
 
 
 def _worker_init() -> None:
@@ -27,61 +69,98 @@ def _worker_init() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)  # one process per core: tiny models are overhead-bound
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
-    p.add_argument("--group", type=int, default=256, help="completions per step, one prompt (default 256)")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate, decayed linearly (default 0.01)")
-    p.add_argument("--beta", type=float, default=0.2, help="KL coefficient of the objective (default 0.2)")
-    p.add_argument("--horizon", type=int, default=5, help="maximum completion length T (default 5)")
-    p.add_argument("--chars", default="ab", help="non-EOS tokens (default 'ab': 63 sequences with T=5)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
-    p.add_argument("--workers", type=int, default=2, help="parallel processes (default 2)")
-    p.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
+def _timed(run: RunFn, problem: ToyProblem, config: str, seed: int, settings: TrainSettings):
+    start = time.perf_counter()
+    history, extras = run(problem, config, seed, settings)
+    return history, extras, time.perf_counter() - start
+
+
+def environment() -> dict:
+    """Python, torch and framework versions, device: what a result was measured with."""
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    for dist in ("trl", "transformers", "verl", "openrlhf", "ray"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            env[dist] = importlib.metadata.version(dist)
+    return env
+
+
+def run_benchmark(bench: Benchmark, args: argparse.Namespace, settings: TrainSettings, command: str) -> int:
+    """Run every (configuration, seed) pair of `bench`, print the table, write <out>/<bench.name>.*."""
+    chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in bench.configs]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; valid: {', '.join(bench.configs)}")
+    problem = ToyProblem(chars=args.chars, horizon=args.horizon, beta=args.beta)
+    print(f"toy problem: {problem.space.num_sequences} sequences, beta={problem.beta}; {bench.framework}, "
+          f"{len(chosen)} configurations x {args.seeds} seeds x {settings.steps} steps, G={settings.group}, "
+          f"{args.workers} workers", flush=True)
+    start = time.perf_counter()
+    histories, extras, runtimes = ({c: [None] * args.seeds for c in chosen} for _ in range(3))
+    pairs = [(c, s) for s in range(args.seeds) for c in chosen]
+    pool = None if args.workers == 0 else ProcessPoolExecutor(
+        args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
+    with pool or contextlib.nullcontext():
+        if pool is None:
+            results = ((pair, _timed(bench.run, problem, *pair, settings)) for pair in pairs)
+        else:
+            jobs = [(pair, pool.submit(_timed, bench.run, problem, *pair, settings)) for pair in pairs]
+            results = ((pair, job.result()) for pair, job in jobs)
+        for (c, s), (history, extra, seconds) in results:
+            histories[c][s], extras[c][s], runtimes[c][s] = history, extra, seconds
+            print(f"  {c:<34} seed {s}: KL(pi||pi*) {history[0]['kl_opt']:.3f} -> {history[-1]['kl_opt']:.4f}   "
+                  f"(run {seconds:.0f} s, total {time.perf_counter() - start:.0f} s)", flush=True)
+    elapsed = time.perf_counter() - start
+    summary = report.summarize(histories)
+    title = (f"{bench.framework} on the exact toy problem ({problem.space.num_sequences} sequences, "
+             f"beta={problem.beta}, G={settings.group}, {settings.steps} steps, {args.seeds} seeds)")
+    text = report.table(summary, title)
+    ratio = report.ratios(summary, bench.baseline, bench.candidate) if {bench.baseline, bench.candidate} <= set(
+        chosen) else None
+    if ratio:
+        text += (f"\n\nKL(pi||pi*) at the final step, {bench.baseline} / {bench.candidate}, per seed: "
+                 + ", ".join(f"{r:.1f}x" for r in ratio) + f"   (target >= 5x on every seed: "
+                 f"{'met' if min(ratio) >= 5 else 'NOT met'})")
+    text += "\n\nconfigurations:\n" + "\n".join(f"  {c}: {bench.configs[c]}" for c in chosen)
+    text += (f"\n\nwall time {elapsed:.0f} s ({args.workers} workers); seconds per run: "
+             + ", ".join(f"{c} {sum(runtimes[c]) / len(runtimes[c]):.0f}" for c in chosen))
+    print("\n" + text, flush=True)
+    out = Path(args.out)
+    report.write(out, bench.name, {
+        "command": command, "environment": environment(), "framework": bench.framework,
+        "problem": {"chars": problem.chars, "horizon": problem.horizon, "beta": problem.beta,
+                    "sequences": problem.space.num_sequences},
+        "settings": asdict(settings), "seeds": args.seeds, "workers": args.workers,
+        "configurations": {c: bench.configs[c] for c in chosen}, "wall_time_s": elapsed, "runtime_s": runtimes,
+        "summary": summary, "ratio": {"baseline": bench.baseline, "candidate": bench.candidate, "per_seed": ratio},
+        "histories": histories, "framework_metrics": extras})
+    report.plot(histories, out / f"{bench.name}.png", title)
+    (out / f"{bench.name}.txt").write_text(f"$ {command}\n{text}\n")
+    print(f"\nwrote {out}/{bench.name}.json, {bench.name}.png, {bench.name}.txt")
+    return 0
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """`kl-adapters demo`'s command line: the shared arguments with the quick defaults, plus --long."""
+    from .trl_runner import CONFIGS
+
+    add_arguments(p, CONFIGS, QUICK)
+    p.add_argument("--long", action="store_true", help=f"the committed benchmark: --steps {LONG.steps} --group "
+                   f"{LONG.group} --lr {LONG.learning_rate} (about 30 min on 2 cores); writes demo_trl.*")
 
 
 def main(args: argparse.Namespace) -> int:
-    configs = [c.strip() for c in args.configs.split(",")]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
-    problem = ToyProblem(chars=args.chars, horizon=args.horizon, beta=args.beta)
-    settings = TrainSettings(steps=args.steps, group=args.group, learning_rate=args.lr)
-    print(f"toy problem: {problem.space.num_sequences} sequences, beta={problem.beta}; TRL GRPOTrainer, "
-          f"{len(configs)} configurations x {args.seeds} seeds x {settings.steps} steps, {args.workers} workers",
-          flush=True)
-    start = time.perf_counter()
-    histories: dict[str, list] = {c: [None] * args.seeds for c in configs}
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_worker_init) as pool:
-        jobs = {pool.submit(run_trl, problem, c, s, settings): (c, s) for s in range(args.seeds) for c in configs}
-        for job, (c, s) in jobs.items():
-            histories[c][s] = job.result()
-            print(f"  {c:<12} seed {s}: KL(pi||pi*) {histories[c][s][0]['kl_opt']:.3f} -> "
-                  f"{histories[c][s][-1]['kl_opt']:.4f}   ({time.perf_counter() - start:.0f} s)", flush=True)
-    summary = report.summarize(histories)
-    title = (f"TRL GRPOTrainer on the exact toy problem ({problem.space.num_sequences} sequences, beta={problem.beta}, "
-             f"G={settings.group}, {settings.steps} steps, {args.seeds} seeds)")
-    text = report.table(summary, title)
-    ratio = report.ratios(summary, "trl-default", "sequence") if {"trl-default", "sequence"} <= set(configs) else None
-    if ratio:
-        text += ("\n\nKL(pi||pi*) at the final step, trl-default / sequence, per seed: "
-                 + ", ".join(f"{r:.1f}x" for r in ratio) + f"   (target: >= 5x on every seed: "
-                 f"{'met' if min(ratio) >= 5 else 'NOT met'})")
-    elapsed = time.perf_counter() - start
-    text += f"\n\nwall time {elapsed:.0f} s"
-    print("\n" + text)
-    out = Path(args.out)
+    """`kl-adapters demo`: TRL's GRPOTrainer; demo_trl_quick.* by default, demo_trl.* with --long."""
+    from .trl_runner import CONFIGS, run_trl
+
+    settings = LONG if args.long else TrainSettings(steps=args.steps, group=args.group, learning_rate=args.lr)
+    bench = Benchmark(name="demo_trl" if args.long else "demo_trl_quick", framework="TRL 1.16 GRPOTrainer",
+                      run=run_trl, configs=CONFIGS, baseline="trl-default", candidate="sequence")
     command = "kl-adapters demo " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    report.write(out, "demo_trl", {"command": command, "problem": {"chars": problem.chars, "horizon": problem.horizon,
-                                   "beta": problem.beta, "sequences": problem.space.num_sequences},
-                                   "settings": asdict(settings), "seeds": args.seeds, "wall_time_s": elapsed,
-                                   "summary": summary, "ratio_trl_default_over_sequence": ratio,
-                                   "histories": histories})
-    report.plot(histories, out / "demo_trl.png", title)
-    (out / "demo_trl.txt").write_text(f"$ {command}\n{text}\n")
-    print(f"\nwrote {out}/demo_trl.json, demo_trl.png, demo_trl.txt")
-    return 0
+    return run_benchmark(bench, args, settings, command)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from dataclasses import dataclass
 
+from .harness import TrainSettings
 from .problem import ExactEvaluator, ToyProblem, sequence_logprobs
 
 #: name -> (KLGRPOConfig overrides, description)
-CONFIGS: dict[str, tuple[dict, str]] = {
+SPECS: dict[str, tuple[dict, str]] = {
     "trl-default": (dict(kl_preset="off", use_bias_correction_kl=True), "TRL 1.16 default: k3 * pi/pi_old in the loss"),
     "k3-loss": (dict(kl_preset="off", use_bias_correction_kl=False), "legacy GRPO: k3 in the loss"),
     "sequence": (dict(kl_preset="sequence"), "kl-adapters sequence"),
@@ -26,16 +26,8 @@ CONFIGS: dict[str, tuple[dict, str]] = {
 }
 
 
-@dataclass(frozen=True)
-class TrainSettings:
-    steps: int = 150
-    group: int = 16  # G completions per step
-    learning_rate: float = 1e-2
-    hidden: int = 32
-
-
-def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings) -> list[dict[str, float]]:
-    """Exact metrics after 0, 1, ..., steps optimizer steps of GRPOTrainer under one KL configuration."""
+def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings) -> tuple[list[dict[str, float]], None]:
+    """Exact metrics after 0, 1, ..., steps optimizer steps of GRPOTrainer under one KL configuration (no extras)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -46,7 +38,7 @@ def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings
     model_dir = tempfile.mkdtemp(prefix="toy_policy_")
     problem.model(seed, settings.hidden).save_pretrained(model_dir)  # TRL reloads the reference from this path
     problem.tokenizer().save_pretrained(model_dir)
-    overrides, _ = CONFIGS[config]
+    overrides, _ = SPECS[config]
     g = settings.group
     args = KLGRPOConfig(**{
         "output_dir": tempfile.mkdtemp(prefix="toy_grpo_"), "use_cpu": True, "bf16": False, "seed": seed,
@@ -68,4 +60,7 @@ def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings
 
     trainer.add_callback(Exact())
     trainer.train()
-    return history
+    return history, None
+
+
+CONFIGS = {name: description for name, (_, description) in SPECS.items()}

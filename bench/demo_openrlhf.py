@@ -1,0 +1,205 @@
+"""OpenRLHF 0.11.2's real actor training step on the exact toy problem: which KL configuration reaches pi*?
+
+Usage: .venvs/openrlhf/bin/python bench/demo_openrlhf.py [--steps 600] [--seeds 3] [--group 512] [--lr 0.003]
+       [--beta 0.15] [--configs ...] [--workers 2] [--out bench/results]  -> bench/results/demo_openrlhf.{json,png,txt}
+
+!!! CPU ONLY: TEST-ONLY IMPORT STUBS ON sys.path !!!
+OpenRLHF 0.11.2 imports flash_attn and vllm at module level, and neither installs without CUDA. When they are not
+importable, this script puts tests/openrlhf/cpu_stubs (import-only stand-ins written for the test suite, never called
+on this code path) first on sys.path. With real flash-attn and vllm installed (a GPU machine) the stubs are not used.
+Also from tests/openrlhf, CPU only: openrlhf_cpu_shim.cuda_shims() replaces torch.cuda.synchronize/current_device
+while ActorPPOTrainer is *constructed* (its __init__ barriers and builds a replay buffer on the current CUDA device),
+and is undone before training; its CPUStrategy (one process, dp size 1) stands in for DeepspeedStrategy.
+
+What runs, per harness step (`kl_adapters.demo.harness.train` samples G completions of a tiny GPT-2 and takes the Adam
+step): **openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step** on one Experience holding the whole group
+(sequences = prompt + completion, action_mask, action_log_probs = the sampling policy's log-probs (on-policy: PPO's
+ratio is 1, its clip never acts), base_action_log_probs = pi_ref's, advantages = r_i - mean_j r_j on every token),
+with loss_batch_info from OpenRLHF's own iter_grad_accum_global_norm (what ppo_train passes; one micro-batch = one
+optimizer step, gas 1). training_step runs OpenRLHF's Actor.forward around the harness's model, PolicyLoss (ppo,
+token-mean), compute_approx_kl through ppo_actor's binding, aggregate_loss and `loss = actor_loss + kl_loss * kl_ctl`,
+then calls strategy.backward(loss): the strategy here records that loss instead of stepping, and the harness
+backpropagates it (strategy.optimizer_step is a no-op; the optimizer is the harness's Adam, as for every framework in
+this benchmark). Arguments come from OpenRLHF's real CLI parsing (train_ppo_ray run as __main__ up to get_strategy,
+tests/openrlhf/openrlhf_harness.cli_args) with --algo.kl.use_loss --algo.kl.estimator k3; the kl-adapters
+configuration adds the adapter's flag --algo.kl.preset sequence (parsed by ``python -m kl_adapters.adapters.
+openrlhf_cli``'s main, which yields args.algo.kl.preset as OpenRLHF carries it into its actors).
+
+Beta (kl_ctl, = --algo.kl.init_coef with OpenRLHF's fixed KL controller), with beta the objective's coefficient, G the
+group size and N_tok the step's completion-token count (OpenRLHF's batch_num_tokens):
+  * OpenRLHF's own KL loss (k3, unbiased_gradient) is a token mean like its task loss, so the task gradient is
+    (G-1)/N_tok grad E[r] (group-mean baseline) and the KL's is kl_ctl * G/N_tok * (per-sequence KL gradient estimate):
+        kl_ctl = beta (G-1)/G                    (= harness.kl_coefficient; constant)
+  * under --algo.kl.preset the adapter weighs the *sequence* KL by kl_ctl / N_seq (N_seq = G non-empty sequences)
+    while the task stays a token mean: gradient (G-1)/N_tok grad E[r] - kl_ctl grad KL_seq, hence, per step,
+        kl_ctl = beta (G-1)/N_tok = harness.kl_coefficient * G / N_tok
+    which makes the step's gradient (G-1)/N_tok * grad(E[r] - beta KL_seq): the objective up to a positive factor.
+    (N_tok is the sampled group's own count, so the factor is random; its correlation with the gradient estimate is
+    O(1/G).) args.algo.kl.init_coef is set to that value before each step and passed as kl_ctl.
+  * beta=0: --algo.kl.init_coef 0 (OpenRLHF then computes no KL).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("KL_ADAPTERS", None)  # only the flag selects kl-adapters here
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "openrlhf")]
+if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("vllm") is None:
+    sys.path.insert(0, str(ROOT / "tests" / "openrlhf" / "cpu_stubs"))  # TEST-ONLY import stubs, see the docstring
+
+from demo_common import main as demo_main  # noqa: E402
+
+NAME, FRAMEWORK, BASELINE = "demo_openrlhf", "OpenRLHF 0.11.2 ActorPPOTrainer.training_step", "openrlhf-default-k3"
+#: name -> (extra train_ppo_ray arguments, adapter flag value or None, description)
+SPECS: dict[str, tuple[list[str], str | None, str]] = {
+    "openrlhf-default-k3": ([], None, "--algo.kl.use_loss --algo.kl.estimator k3 (the GRPO KL loss OpenRLHF "
+                                      "recommends)"),
+    "unbiased_gradient": (["--algo.kl.unbiased_gradient"], None,
+                          "... k3 --algo.kl.unbiased_gradient (OpenRLHF's fix, PR #1309: k1 per-token gradient)"),
+    "kl_adapters:sequence": ([], "sequence", "... k3 --algo.kl.preset sequence (kl-adapters, per-step kl_ctl = "
+                                             "beta (G-1)/N_tok)"),
+    "beta=0": ([], None, "... k3 --algo.kl.init_coef 0 (no KL term)"),
+}
+CONFIGS = {k: v[2] for k, v in SPECS.items()}
+
+
+def cli_argv(config: str, group: int, coef: float) -> list[str]:
+    extra, preset, _ = SPECS[config]
+    argv = ["--actor.model_name_or_path", "toy-gpt2", "--reward.remote_url", "http://127.0.0.1:1",
+            "--algo.advantage.estimator", "dr_grpo", "--rollout.n_samples_per_prompt", str(group),
+            "--rollout.batch_size", "1", "--rollout.micro_batch_size", "1", "--actor.num_gpus_per_node", "1",
+            "--ref.num_gpus_per_node", "1", "--train.micro_batch_size", str(group), "--train.batch_size", str(group),
+            "--train.max_epochs", "1", "--actor.policy_loss_type", "ppo", "--actor.loss_agg_mode", "token-mean",
+            "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+            "--algo.kl.init_coef", "0" if config == "beta=0" else repr(coef), "--ds.attn_implementation", "eager",
+            *extra]
+    return argv + (["--algo.kl.preset", preset] if preset else [])
+
+
+def parse_args(config: str, group: int, coef: float):
+    """OpenRLHF's parsed args; the kl-adapters configuration goes through the adapter's launcher (its flag)."""
+    from openrlhf_harness import cli_args
+
+    return cli_args(cli_argv(config, group, coef), wrapper=SPECS[config][1] is not None)
+
+
+def _strategy_class():
+    from openrlhf_cpu_shim import CPUStrategy
+
+    class HarnessStrategy(CPUStrategy):
+        """CPUStrategy (dp 1, gas 1) whose backward hands the loss to the harness and whose optimizer step is a no-op:
+        the harness backpropagates `loss` and steps its Adam."""
+
+        loss = None
+
+        def backward(self, loss, model, optimizer, **kwargs) -> None:
+            self.loss = loss
+
+        def optimizer_step(self, optimizer, model, scheduler, name="model", **kwargs) -> None:
+            return None
+
+    return HarnessStrategy
+
+
+class OpenRLHFLoss:
+    """harness.LossFn: the loss OpenRLHF's ActorPPOTrainer.training_step builds; its metrics per step in `.metrics`.
+
+    kl-adapters' activation is per process (as in OpenRLHF, one trainer per actor process): constructing one switches
+    off whatever an earlier one switched on, then parses this configuration's flags. Use one at a time."""
+
+    def __init__(self, problem, config: str, group: int):
+        import openrlhf.trainer.ray.ppo_actor  # noqa: F401  (imported first: the flag patches it when parsed)
+
+        import kl_adapters
+        from kl_adapters.demo.harness import kl_coefficient
+
+        kl_adapters.disable()
+
+        self.config, self.group = config, group
+        self.coef = kl_coefficient(problem, group)  # beta (G-1)/G
+        self.adapter = SPECS[config][1] is not None
+        self.args = parse_args(config, group, self.coef)
+        self.trainer = None
+        self.metrics: list[dict[str, float]] = []
+
+    def _build(self, model) -> None:
+        import torch
+        from openrlhf.models import Actor
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+        from openrlhf_cpu_shim import cuda_shims
+
+        actor = Actor(model)
+        actor.packing_samples = False  # Actor(<nn.Module>) leaves it unset (only the path branch of __init__ sets it)
+        self.strategy = _strategy_class()(self.args, accumulated_gradient=1, lr=0.0, record=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # never stepped (see HarnessStrategy)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        shims = {} if torch.cuda.is_available() else cuda_shims()
+        saved = {key: getattr(*key) for key in shims}
+        try:
+            for (owner, name), fn in shims.items():
+                setattr(owner, name, fn)
+            self.trainer = ActorPPOTrainer(self.strategy, actor, None, optimizer, scheduler,
+                                           micro_train_batch_size=self.group, dataloader_pin_memory=False)
+        finally:
+            for (owner, name), fn in saved.items():
+                setattr(owner, name, fn)
+        self.model = model
+
+    def kl_ctl(self, num_tokens: float) -> float:
+        if self.config == "beta=0":
+            return 0.0
+        return self.coef * self.group / num_tokens if self.adapter else self.coef
+
+    def __call__(self, model, batch):
+        import torch
+        from openrlhf.trainer.ppo_utils.experience import Experience
+        from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+        if self.trainer is None or model is not self.model:
+            self._build(model)
+        mask = batch.completion_mask
+        attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
+        experience = Experience(sequences=batch.input_ids, attention_mask=attention, action_mask=mask,
+                                action_log_probs=batch.old_logp, base_action_log_probs=batch.ref_logp,
+                                advantages=batch.advantages[:, None] * mask, index=list(range(mask.shape[0])),
+                                info={})
+        ((experience, info),) = iter_grad_accum_global_norm([experience], self.strategy, 1, lambda e: e.action_mask)
+        kl_ctl = self.kl_ctl(float(info["batch_num_tokens"]))
+        self.args.algo.kl.init_coef = kl_ctl  # OpenRLHF's FixedKLController value = init_coef
+        status = self.trainer.training_step(experience, kl_ctl, 0, info)
+        loss, self.strategy.loss = self.strategy.loss, None
+        step = {"kl_ctl": kl_ctl}
+        for key in ("policy_loss", "kl", "logprobs_diff", "ppo_kl", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap"):
+            value = status["metrics"].get(key)
+            if value is not None:
+                step[key] = float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        self.metrics.append(step)
+        return loss
+
+
+def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dict]]:
+    """One (configuration, seed) run: exact metrics after 0..steps steps, and OpenRLHF's metrics of each step."""
+    warnings.filterwarnings("ignore")
+    import kl_adapters
+    from kl_adapters.demo.harness import train
+
+    kl_adapters.disable()  # a reused worker process: nothing left on from an earlier configuration
+    try:
+        loss = OpenRLHFLoss(problem, config, settings.group)
+        history = train(problem, loss, seed=seed, steps=settings.steps, group=settings.group,
+                        learning_rate=settings.learning_rate, hidden=settings.hidden)
+    finally:
+        kl_adapters.disable()
+    return history, loss.metrics
+
+
+if __name__ == "__main__":
+    raise SystemExit(demo_main(name=NAME, framework=FRAMEWORK, run=run, configs=CONFIGS, baseline=BASELINE,
+                               notes=__doc__))

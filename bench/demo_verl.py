@@ -1,0 +1,147 @@
+"""verl 0.9.1's real actor loss on the exact toy problem: which KL configuration reaches pi* = argmax E[r] - beta KL?
+
+Usage: .venvs/verl/bin/python bench/demo_verl.py [--steps 600] [--seeds 3] [--group 512] [--lr 0.003] [--beta 0.15]
+       [--configs ...] [--workers 2] [--out bench/results]     -> bench/results/demo_verl.{json,png,txt}
+
+Every step `kl_adapters.demo.harness.train` samples G completions from the current policy (a tiny GPT-2), and the loss
+function below hands them to verl in the layout its engines use:
+
+    model_output["log_probs"]  the policy's log-probs over every real token, flattened (verl's no-padding layout,
+                               which ppo_loss turns back with its own no_padding_2_padding); with gradient
+    data (TensorDict)          prompts, responses, attention_mask, response_mask, old_log_probs (the sampling policy:
+                               on-policy, so PPO's ratio is 1 and its clip never acts), ref_log_prob, advantages
+                               (r_i - mean_j r_j on every token), dp_size 1, batch_num_tokens, global_batch_size G
+
+and the harness backpropagates the scalar that **verl.workers.utils.losses.ppo_loss** returns (policy loss "vanilla",
+loss_agg_mode "token-mean", use_kl_loss=True, kl_loss_coef = beta (G-1)/G = `harness.kl_coefficient`: under token-mean
+verl divides task and KL by the same token count, and the group-mean baseline shrinks the task gradient by (G-1)/G),
+then takes an Adam step. ppo_loss is looked up on the module at every call, i.e. whatever the installed kl-adapters
+`verl.plugins` entry point left there: the adapter is selected only by verl's own config value
+(``kl_loss_type=kl_adapters:sequence``, or ``kl_penalty=kl_adapters:reward`` for the reward path), as a verl user would.
+
+Reward path ("kl_adapters:reward (reward path)"): what verl's RayPPOTrainer.fit does with
+algorithm.use_kl_in_reward=True, on a DataProto: ``ray_trainer.apply_kl_penalty(data, FixedKLController(coef),
+kl_penalty="kl_adapters:reward")`` then ``ray_trainer.compute_advantage(data, "grpo", norm_adv_by_std_in_grpo=False)``
+(GRPO without std scaling = r_i - mean_j r_j, as the harness), then ppo_loss with use_kl_loss=False on those
+advantages. The adapter adds -coef * sum_{s>=t} k1_s after the group normalisation; through the token-mean PG loss
+this is coef * (G / N_tok) * grad KL_seq in expectation, against (G-1)/N_tok * grad E[r]: the same coef = beta (G-1)/G.
+
+Not exercised: verl's engines (FSDP/Megatron workers, Ray); the log-probs come from the harness's own forward
+(`harness.batch_logps`), not from verl's engine forward. Runs on CPU (no stubs needed for verl).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("KL_ADAPTERS", None)  # only verl's own config names select kl-adapters here
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_common import main as demo_main  # noqa: E402
+
+NAME, FRAMEWORK, BASELINE = "demo_verl", "verl 0.9.1 ppo_loss", "verl-default"
+#: name -> (path, verl estimator name, description); path "loss": actor.use_kl_loss, "reward": use_kl_in_reward
+SPECS: dict[str, tuple[str | None, str | None, str]] = {
+    "verl-default": ("loss", "low_var_kl", "actor.kl_loss_type=low_var_kl (verl's default, k3) in ppo_loss"),
+    "k3+": ("loss", "k3+", "actor.kl_loss_type=k3+ (verl's straight-through k2-gradient fix) in ppo_loss"),
+    "kl_adapters:sequence": ("loss", "kl_adapters:sequence", "actor.kl_loss_type=kl_adapters:sequence in ppo_loss"),
+    "kl_adapters:reward (reward path)": ("reward", "kl_adapters:reward",
+                                         "algorithm.kl_penalty=kl_adapters:reward: apply_kl_penalty + compute_advantage"
+                                         "(grpo, no std) + ppo_loss without KL loss"),
+    "beta=0": (None, None, "actor.use_kl_loss=False (no KL term)"),
+}
+CONFIGS = {k: v[2] for k, v in SPECS.items()}
+_KEEP = ("kl_loss", "kl_coef", "actor/pg_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff")
+
+
+class VerlLoss:
+    """harness.LossFn: the scalar of verl's ppo_loss for one configuration; per-step verl metrics in `.metrics`."""
+
+    def __init__(self, problem, config: str, group: int):
+        from verl.workers.config import ActorConfig
+
+        from kl_adapters.demo.harness import kl_coefficient
+
+        self.path, self.estimator, _ = SPECS[config]
+        self.coef = kl_coefficient(problem, group)
+        self.actor = ActorConfig(
+            strategy="fsdp", rollout_n=group, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=group,
+            use_kl_loss=self.path == "loss", kl_loss_type=self.estimator if self.path == "loss" else "low_var_kl",
+            kl_loss_coef=self.coef if self.path == "loss" else 0.0, loss_agg_mode="token-mean")
+        assert self.actor.policy_loss.loss_mode == "vanilla" and self.actor.clip_ratio == 0.2
+        if self.path == "reward":
+            from verl.trainer.ppo.core_algos import FixedKLController
+
+            self.kl_ctrl = FixedKLController(kl_coef=self.coef)  # algorithm.kl_ctrl.type=fixed
+        self.metrics: list[dict[str, float]] = []
+
+    def __call__(self, model, batch):
+        import torch
+        import torch.nn.functional as F
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils import losses
+
+        from kl_adapters.demo.harness import batch_logps
+
+        mask = batch.completion_mask
+        group = mask.shape[0]
+        attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
+        tokens = {"prompts": batch.input_ids[:, :1], "responses": batch.input_ids[:, 1:], "attention_mask": attention,
+                  "response_mask": mask.long()}
+        logp = batch_logps(model, batch)  # [G, T], 0 at padding
+        flat = F.pad(logp, (0, 1))[attention.bool()]  # log p(x_{j+1} | x_<=j) at every real position j, 0 at the last
+        step: dict[str, float] = {}
+        if self.path == "reward":
+            advantages, step = self._reward_path(batch, tokens)
+        else:
+            advantages = batch.advantages[:, None] * mask
+        data = tu.get_tensordict(
+            {**tokens, "old_log_probs": batch.old_logp, "ref_log_prob": batch.ref_logp, "advantages": advantages},
+            non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": group})
+        loss, metrics = losses.ppo_loss(self.actor, {"log_probs": flat}, data)
+        for key, value in metrics.items():
+            if key in _KEEP or key.startswith("kl_adapters/"):
+                step[key] = float(value.aggregate() if hasattr(value, "aggregate") else value)
+        self.metrics.append(step)
+        return loss
+
+    def _reward_path(self, batch, tokens):
+        import numpy as np
+        import torch
+        from verl import DataProto
+        from verl.trainer.config import AlgoConfig
+        from verl.trainer.ppo import ray_trainer
+
+        mask = batch.completion_mask
+        last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))  # outcome reward at each response's last token
+        data = DataProto.from_dict(
+            tensors={"response_mask": tokens["response_mask"], "responses": tokens["responses"],
+                     "attention_mask": tokens["attention_mask"], "old_log_probs": batch.old_logp,
+                     "ref_log_prob": batch.ref_logp, "token_level_scores": batch.rewards[:, None] * last},
+            non_tensors={"uid": np.array(["prompt0"] * mask.shape[0], dtype=object)})
+        data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=self.kl_ctrl, kl_penalty=self.estimator)
+        data = ray_trainer.compute_advantage(data, adv_estimator="grpo", gamma=1.0, lam=1.0, num_repeat=mask.shape[0],
+                                             norm_adv_by_std_in_grpo=False,
+                                             config=AlgoConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False))
+        advantages = data.batch["advantages"].to(torch.float32)
+        return advantages, {k: float(v) for k, v in metrics.items()}
+
+
+def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dict]]:
+    """One (configuration, seed) run: exact metrics after 0..steps steps, and verl's loss metrics of each step."""
+    warnings.filterwarnings("ignore")
+    from kl_adapters.demo.harness import train
+
+    loss = VerlLoss(problem, config, settings.group)
+    history = train(problem, loss, seed=seed, steps=settings.steps, group=settings.group,
+                    learning_rate=settings.learning_rate, hidden=settings.hidden)
+    return history, loss.metrics
+
+
+if __name__ == "__main__":
+    raise SystemExit(demo_main(name=NAME, framework=FRAMEWORK, run=run, configs=CONFIGS, baseline=BASELINE,
+                               notes=__doc__))

@@ -1,0 +1,82 @@
+"""The exact-objective demo: the toy problem's closed forms, the TRL runner, the harness and the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kl_adapters.demo import harness, trl_runner
+from kl_adapters.demo.problem import ExactEvaluator, ToyProblem, sequence_logprobs
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return ToyProblem()
+
+
+#: sum of log pi_ref over the 63 sequences for seed 0: the same in the TRL, verl and OpenRLHF environments (their
+#: transformers versions differ), so every framework's benchmark solves the same problem
+REFERENCE_CHECKSUM = -321.6748777134
+
+
+def test_reference_policy_does_not_depend_on_transformers(problem):
+    assert float(sequence_logprobs(problem, problem.model(seed=0)).sum()) == pytest.approx(REFERENCE_CHECKSUM, abs=1e-6)
+
+
+def test_enumeration_is_the_policys_whole_support(problem):
+    model = problem.model(seed=0)
+    ref = sequence_logprobs(problem, model)
+    assert len(set(problem.strings)) == problem.space.num_sequences == 63
+    assert float(ref.exp().sum()) == pytest.approx(1.0, abs=1e-9)  # a complete distribution: nothing left out
+    assert problem.reward_of[""] == 0.0
+
+
+def test_closed_form_optimum(problem):
+    """J(pi*) = J* = beta log Z, and J* - J(pi) = beta KL(pi || pi*) for any pi."""
+    ref = sequence_logprobs(problem, problem.model(seed=0))
+    ev = ExactEvaluator(problem, ref)
+    at_optimum = ev(ev.optimum)
+    assert at_optimum["gap"] == pytest.approx(0.0, abs=1e-12) and at_optimum["kl_opt"] == pytest.approx(0, abs=1e-12)
+    other = sequence_logprobs(problem, problem.model(seed=1))
+    m = ev(other)
+    assert m["gap"] == pytest.approx(problem.beta * m["kl_opt"], rel=1e-9)
+    # pi* maximizes J over random perturbations of it
+    noisy = torch.log_softmax(ev.optimum + 0.1 * torch.randn(ev.optimum.shape, dtype=torch.float64), 0)
+    assert ev(noisy)["J"] < at_optimum["J"]
+
+
+@pytest.mark.parametrize("config", ["sequence", "trl-default"])
+def test_trl_runner_trains_the_real_trainer(problem, config, monkeypatch):
+    from kl_adapters.adapters import trl as adapter
+
+    calls = []
+    real = adapter.kl_surrogate
+    monkeypatch.setattr(adapter, "kl_surrogate", lambda *a, **k: calls.append(k["preset"]) or real(*a, **k))
+    history, _ = trl_runner.run_trl(problem, config, seed=0, settings=harness.TrainSettings(steps=3, group=8))
+    assert len(history) == 4 and all(math.isfinite(h["kl_opt"]) and h["mass"] == pytest.approx(1) for h in history)
+    assert history[-1]["kl_ref"] > 0  # the policy moved
+    assert calls == (["sequence"] * 3 if config == "sequence" else [])  # only kl-adapters configs go through it
+
+
+def test_harness_with_the_reference_loss(problem):
+    history = harness.train(problem, harness.core_loss(problem, "sequence", 64), seed=0, steps=20, group=64,
+                            learning_rate=1e-2)
+    assert len(history) == 21 and history[-1]["kl_opt"] < 0.5 * history[0]["kl_opt"]
+
+
+def test_demo_command_writes_table_plot_and_json(tmp_path):
+    cli = Path(sys.executable).with_name("kl-adapters")
+    out = subprocess.run([str(cli), "demo", "--steps", "2", "--seeds", "2", "--group", "8", "--workers", "2",
+                          "--configs", "sequence,trl-default", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "demo_trl_quick.json").read_text())
+    assert doc["command"].startswith("kl-adapters demo --steps 2")
+    assert set(doc["histories"]) == {"sequence", "trl-default"} and len(doc["histories"]["sequence"]) == 2
+    assert len(doc["ratio"]["per_seed"]) == 2
+    assert (tmp_path / "demo_trl_quick.png").stat().st_size > 10_000
+    assert "trl-default / sequence" in (tmp_path / "demo_trl_quick.txt").read_text()

@@ -8,7 +8,8 @@ batch from pi, takes one Adam step (learning rate decayed linearly to 0) on
 and evaluates exactly, by enumeration: KL(pi || pi*) with pi* = pi_ref exp(r/beta) / Z, J* - J = beta KL(pi || pi*),
 and KL(pi || pi_ref). Findings checked (Tang & Munos 2025; Shah et al. 2025): unbiased configurations (sequence,
 reward) converge to pi*; biased ones converge away from it (token = per-token k2 gradient, k3-loss = forward KL);
-k1 as a loss does not regularize (it tracks beta = 0); k3 in the reward is pushed away, with the largest spread.
+k1 as a loss does not regularize (it tracks beta = 0); k3 in the reward regularizes far too weakly (its bias pushes
+the forward KL up: KL(pi || pi_ref) ends well above pi*'s).
 Usage: .venvs/core/bin/python bench/tabular_toys.py [--steps 3000] [--seeds 5] [--beta 0.1]
 Writes bench/results/tabular_toys.json and bench/results/tabular_toys.png.
 """

@@ -46,14 +46,27 @@ def table(summary: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def _merge_identical(histories: dict[str, list[list[dict]]]) -> dict[str, list[list[dict]]]:
+    """One entry per distinct set of runs; configurations with identical runs share it, labelled "a = b"."""
+    merged: dict[str, list[list[dict]]] = {}
+    for config, runs in histories.items():
+        twin = next((label for label, other in merged.items() if other == runs), None)
+        if twin is None:
+            merged[config] = runs
+        else:
+            merged[f"{twin} = {config}"] = merged.pop(twin)
+    return merged
+
+
 def plot(histories: dict[str, list[list[dict]]], path: Path, title: str) -> None:
+    """J* - J and KL(pi || pi*) against steps: mean over seeds and min-max band (identical runs drawn once)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for k, (config, runs) in enumerate(histories.items()):
+    for k, (config, runs) in enumerate(_merge_identical(histories).items()):
         for ax, m in zip(axes, METRICS):
             curves = [[h[m] for h in run] for run in runs]
             steps = range(len(curves[0]))

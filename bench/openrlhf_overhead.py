@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import sys
 import tempfile
 import warnings
@@ -34,7 +33,7 @@ if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("v
 import torch  # noqa: E402
 from openrlhf_cpu_shim import cuda_shims, load_actor, random_batch, save_tiny_model  # noqa: E402
 from openrlhf_harness import base_argv, build_trainer, cli_args  # noqa: E402
-from timing import measure, write_result  # noqa: E402
+from timing import alternating, compare, write_result  # noqa: E402
 
 import kl_adapters  # noqa: E402
 from kl_adapters.adapters import openrlhf as adapter  # noqa: E402
@@ -104,17 +103,7 @@ def kl_term_fn(tensors, old, base):
     return run, patched
 
 
-def paired_times(fns: dict, switch, repeats: int, warmup: int, sync) -> dict[str, list[float]]:
-    """Time each configuration's fn once per repeat, alternating the order (ABBA) so drift in machine load cancels."""
-    configs, times = list(fns), {c: [] for c in fns}
-    for i in range(warmup + repeats):
-        for config in configs if i % 2 == 0 else configs[::-1]:
-            switch(config)
-            times[config].append(measure(fns[config], repeats=1, warmup=0, sync=sync)["median_s"])
-    return {c: t[warmup:] for c, t in times.items()}
-
-
-def switch(config: str) -> None:
+def switch(config: str, _round: int = 0) -> None:
     if config == "native":
         kl_adapters.disable()
     elif kl_adapters.activation.active() is None:
@@ -142,10 +131,10 @@ def main() -> None:
     for config in ("native", "kl_adapters_sequence"):
         switch(config)
         assert (adapter.SEQ_KL in step()["metrics"]) == (config != "native"), "the patch must act iff enabled"
-    times = {"training_step": paired_times({"native": step, "kl_adapters_sequence": step}, switch, opts.repeats, 5,
-                                           sync),
-             "kl_term": paired_times({"native": kl_native, "kl_adapters_sequence": kl_patched}, switch, opts.repeats,
-                                     5, sync)}
+    times = {"training_step": alternating({"native": step, "kl_adapters_sequence": step}, repeats=opts.repeats,
+                                          warmup=5, sync=sync, before=switch),
+             "kl_term": alternating({"native": kl_native, "kl_adapters_sequence": kl_patched}, repeats=opts.repeats,
+                                    warmup=5, sync=sync, before=switch)}
     kl_adapters.disable()
 
     result = {"model": f"tiny random Llama, hidden {opts.hidden}, 2 layers, vocabulary 64",
@@ -154,10 +143,7 @@ def main() -> None:
               "openrlhf_kl": "--algo.kl.use_loss --algo.kl.estimator k3 (native) vs --algo.kl.preset sequence",
               "repeats": opts.repeats}
     for measurement, per_config in times.items():
-        med = {c: statistics.median(t) for c, t in per_config.items()}
-        pairs = [b / a for a, b in zip(per_config["native"], per_config["kl_adapters_sequence"])]
-        result[measurement] = {"median_s": med, "ratio": med["kl_adapters_sequence"] / med["native"],
-                               "median_paired_ratio": statistics.median(pairs), "times_s": per_config}
+        result[measurement] = compare(per_config, "native", "kl_adapters_sequence")
     path = write_result(f"openrlhf_overhead_{opts.device}", result)
     for measurement in times:
         r = result[measurement]

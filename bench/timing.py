@@ -16,21 +16,35 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def measure(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, sync: Callable[[], None] | None = None):
-    """Run fn warmup+repeats times; return per-call seconds (median, min, max, all) of the timed repeats."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats,
-            "times_s": times}
+def alternating(fns: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 3,
+                sync: Callable[[], None] | None = None,
+                before: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
+    """Per-call seconds of each configuration: one call of each per round, in ABBA order, so that drift in machine load
+    hits every configuration alike. `before(config, round)` runs untimed before each call (switching a flag, seeding
+    the sampler); the first `warmup` rounds are not kept."""
+    configs, times = list(fns), {c: [] for c in fns}
+    for i in range(warmup + repeats):
+        for config in configs if i % 2 == 0 else configs[::-1]:
+            if before:
+                before(config, i)
+            if sync:
+                sync()
+            t0 = time.perf_counter()
+            fns[config]()
+            if sync:
+                sync()
+            if i >= warmup:
+                times[config].append(time.perf_counter() - t0)
+    return times
+
+
+def compare(times: dict[str, list[float]], baseline: str, candidate: str) -> dict:
+    """Median per configuration, the ratio of the medians (candidate / baseline), and the median of the per-round
+    ratios; every timing is kept."""
+    med = {c: statistics.median(t) for c, t in times.items()}
+    rounds = [b / a for a, b in zip(times[baseline], times[candidate])]
+    return {"median_s": med, "n": {c: len(t) for c, t in times.items()}, "ratio": med[candidate] / med[baseline],
+            "median_paired_ratio": statistics.median(rounds), "times_s": times}
 
 
 def write_result(name: str, data: dict) -> Path:

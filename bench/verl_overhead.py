@@ -1,7 +1,7 @@
 """verl 0.9.1: cost of kl-adapters' KL term against verl's own (low_var_kl), on verl's real functions.
 
-Three measurements, each native vs kl-adapters, runs interleaved in blocks (native, adapter, native, ...) so that drift
-hits both; the median per configuration and their ratio are reported:
+Three measurements, each native vs kl-adapters, alternating call by call (ABBA) so that drift in machine load hits both;
+the median per configuration, their ratio and the median per-round ratio are reported:
   loss        ppo_loss forward + backward on fixed log-probs (no model): where the adapter adds work, worst case
               (kl_loss_type=low_var_kl vs kl_loss_type=kl_adapters:sequence, token-mean)
   step        tiny Llama forward + ppo_loss + backward (one actor micro-batch step)
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from timing import measure, write_result  # noqa: E402
+from timing import alternating, compare, write_result  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.trainer.ppo import ray_trainer  # noqa: E402
@@ -107,13 +106,8 @@ def reward_fn(kl_penalty: str, batch: int, response: int, device: str):
     return run
 
 
-def interleaved(fns: dict, repeats: int, sync, blocks: int = 3) -> dict:
-    times = {name: [] for name in fns}
-    for _ in range(blocks):
-        for name, fn in fns.items():
-            times[name] += measure(fn, repeats=max(1, repeats // blocks), warmup=2, sync=sync)["times_s"]
-    med = {name: statistics.median(t) for name, t in times.items()}
-    return {"median_s": med, "n": {k: len(v) for k, v in times.items()}, "ratio": med[ADAPTER] / med[NATIVE]}
+def interleaved(fns: dict, repeats: int, sync) -> dict:
+    return compare(alternating(fns, repeats=repeats, warmup=3, sync=sync), NATIVE, ADAPTER)
 
 
 def main() -> None:

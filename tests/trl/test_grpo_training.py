@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from conftest import grpo_args, make_trainer
 
 from kl_adapters.adapters import trl as adapter
@@ -90,3 +91,15 @@ def test_environment_variable_activates_without_code_change(model_dir, tmp_path)
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "kl_adapters/seq_kl" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_train_on_cuda(model_dir, dataset, bf16):
+    """The same real GRPOTrainer.train() on a GPU (float32 and bf16 autocast): the adapter's metrics are logged."""
+    trainer = train(model_dir, dataset, kl_preset="sequence", use_cpu=False, bf16=bf16, num_iterations=2, max_steps=4)
+    assert next(trainer.model.parameters()).is_cuda
+    seq_kl = logged(trainer, "kl_adapters/seq_kl")
+    assert len(seq_kl) == 4 and all(math.isfinite(v) and v >= 0 for v in seq_kl)
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))

@@ -14,8 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kl_adapters.demo.harness import TrainSettings
-from kl_adapters.demo.run import LONG, Benchmark, RunFn, add_arguments, run_benchmark
+from kl_adapters.demo.run import LONG, Benchmark, RunFn, add_arguments, run_benchmark, settings_from
 
 ROOT = Path(__file__).resolve().parent.parent
 CANDIDATE = "kl_adapters:sequence"
@@ -33,7 +32,7 @@ def main(*, name: str, framework: str, run: RunFn, configs: dict[str, str], base
     interpreter, script = Path(sys.executable), Path(sys.argv[0]).resolve()
     shown = [p.relative_to(ROOT) if p.is_relative_to(ROOT) else p for p in (interpreter, script)]
     command = " ".join(shlex.quote(str(a)) for a in [*shown, *(sys.argv[1:] if argv is None else argv)])
-    settings = TrainSettings(steps=args.steps, group=args.group, learning_rate=args.lr)
+    settings = settings_from(args, LONG)
     bench = Benchmark(name=name, framework=framework, run=run, configs=configs, baseline=baseline,
                       candidate=CANDIDATE)
     return run_benchmark(bench, args, settings, command)

@@ -107,6 +107,7 @@ def reward_fn(kl_penalty: str, batch: int, response: int, device: str):
 
 
 def interleaved(fns: dict, repeats: int, sync) -> dict:
+    """Native vs kl-adapters, alternating call by call (ABBA, bench/timing.py): medians, ratio, every timing."""
     return compare(alternating(fns, repeats=repeats, warmup=3, sync=sync), NATIVE, ADAPTER)
 
 

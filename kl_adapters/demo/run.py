@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import report
@@ -48,11 +48,10 @@ class Benchmark:
 
 
 def add_arguments(p: argparse.ArgumentParser, configs: dict[str, str], defaults: TrainSettings) -> None:
-    p.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps per run ({defaults.steps})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps per run ({defaults.steps})")
     p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (3)")
-    p.add_argument("--group", type=int, default=defaults.group, help=f"completions per step ({defaults.group})")
-    p.add_argument("--lr", type=float, default=defaults.learning_rate,
-                   help=f"Adam learning rate, decayed linearly to 0 ({defaults.learning_rate})")
+    p.add_argument("--group", type=int, help=f"completions per step ({defaults.group})")
+    p.add_argument("--lr", type=float, help=f"Adam learning rate, decayed linearly to 0 ({defaults.learning_rate})")
     p.add_argument("--beta", type=float, default=ToyProblem.beta, help=f"KL coefficient ({ToyProblem.beta})")
     p.add_argument("--horizon", type=int, default=ToyProblem.horizon,
                    help=f"maximum completion length T ({ToyProblem.horizon})")
@@ -62,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser, configs: dict[str, str], defaults:
     p.add_argument("--workers", type=int, default=2, help="parallel processes, one torch thread each (2; 0: in "
                    "this process)")
     p.add_argument("--out", default="bench/results", help="output folder (bench/results)")
+
+
+def settings_from(args: argparse.Namespace, base: TrainSettings) -> TrainSettings:
+    """`base` with the --steps/--group/--lr given on the command line (add_arguments leaves the others None)."""
+    given = {"steps": args.steps, "group": args.group, "learning_rate": args.lr}
+    return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
 def _worker_init() -> None:
@@ -152,14 +157,14 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
     add_arguments(p, CONFIGS, QUICK)
     p.add_argument("--long", action="store_true", help=f"the committed benchmark: --steps {LONG.steps} --group "
-                   f"{LONG.group} --lr {LONG.learning_rate} (about 20 min on 2 cores); writes demo_trl.*")
+                   f"{LONG.group} --lr {LONG.learning_rate} unless given (about 20 min on 2 cores); writes demo_trl.*")
 
 
 def main(args: argparse.Namespace) -> int:
     """`kl-adapters demo`: TRL's GRPOTrainer; demo_trl_quick.* by default, demo_trl.* with --long."""
     from .trl_runner import CONFIGS, run_trl
 
-    settings = LONG if args.long else TrainSettings(steps=args.steps, group=args.group, learning_rate=args.lr)
+    settings = settings_from(args, LONG if args.long else QUICK)
     bench = Benchmark(name="demo_trl" if args.long else "demo_trl_quick", framework="TRL 1.16 GRPOTrainer",
                       run=run_trl, configs=CONFIGS, baseline="trl-default", candidate="sequence")
     command = " ".join(["kl-adapters demo", *(shlex.quote(a) for a in sys.argv[2:])])

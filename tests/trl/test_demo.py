@@ -1,5 +1,7 @@
 """The exact-objective demo: the toy problem's closed forms, the TRL runner, the harness and the CLI."""
 
+import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kl_adapters.demo import harness, trl_runner
+from kl_adapters.demo import harness, run, trl_runner
 from kl_adapters.demo.problem import ExactEvaluator, ToyProblem, sequence_logprobs
 
 
@@ -80,3 +82,17 @@ def test_demo_command_writes_table_plot_and_json(tmp_path):
     assert len(doc["ratio"]["per_seed"]) == 2
     assert (tmp_path / "demo_trl_quick.png").stat().st_size > 10_000
     assert "trl-default / sequence" in (tmp_path / "demo_trl_quick.txt").read_text()
+
+
+def test_command_line_settings():
+    """No flag: the quick settings; --long: the committed ones; an explicit --steps/--group/--lr wins over either."""
+    parser = argparse.ArgumentParser()
+    run.add_demo_arguments(parser)
+
+    def settings(*argv):
+        args = parser.parse_args(argv)
+        return run.settings_from(args, run.LONG if args.long else run.QUICK)
+
+    assert settings() == run.QUICK and settings("--long") == run.LONG
+    assert settings("--long", "--steps", "7") == dataclasses.replace(run.LONG, steps=7)
+    assert settings("--group", "16", "--lr", "0.1") == dataclasses.replace(run.QUICK, group=16, learning_rate=0.1)

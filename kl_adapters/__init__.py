@@ -21,6 +21,8 @@ _EXPORTS = {
     "kl_surrogate": "surrogate",
     "kl_reward": "surrogate",
     "kl_coefficients": "surrogate",
+    "kl_term": "surrogate",
+    "KLTerm": "surrogate",
     "sequence_kl": "surrogate",
     "per_sequence_beta": "surrogate",
     "PRESETS": "presets",
@@ -36,7 +38,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import active, disable, enable
     from .presets import PRESETS, RECOMMENDED, Preset, get_preset
-    from .surrogate import kl_coefficients, kl_reward, kl_surrogate, per_sequence_beta, sequence_kl
+    from .surrogate import KLTerm, kl_coefficients, kl_reward, kl_surrogate, kl_term, per_sequence_beta, sequence_kl
 
 
 def __getattr__(name: str):

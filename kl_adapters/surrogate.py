@@ -12,6 +12,8 @@ constant divisor B (never a per-sequence length, which would optimize a length-n
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from torch import Tensor
 
@@ -40,6 +42,54 @@ def _value_per_sequence(t: Terms) -> Tensor:
     return (t.prefix_weights() * k3(t.k1)).sum(-1)
 
 
+@dataclass(frozen=True)
+class KLTerm:
+    """One validated pass over a [B, T] batch (`kl_term`): the loss term of a preset and what adapters log beside it.
+
+    Adapters call it once per loss call instead of kl_surrogate + kl_coefficients + sequence_kl, which would each
+    validate the batch again (one host synchronisation each) and rebuild the same per-token quantities.
+    """
+
+    logp: Tensor  # masked log-probs in the working dtype, carrying the gradient
+    terms: Terms  # detached per-token quantities (k1, importance log-ratios, mask, is_clip)
+    coefficients: Tensor  # [B, T] the preset's detached per-token gradient weights c, zero at padding
+    sequence_kl: Tensor  # [B] sum_t w_{1:t} k3_t per sequence, detached (unbiased for KL_seq when is_clip is None)
+
+    def surrogate(self, beta: float | Tensor = 1.0) -> Tensor:
+        """`kl_surrogate` of this batch: value beta * mean_b sequence_kl_b, gradient beta * (1/B) sum c grad logp."""
+        check_beta(beta)
+        return _surrogate(self, beta)
+
+    def coefficients_of(self, preset: str | Preset, *, on_policy: bool = False) -> Tensor:
+        """Another preset's per-token weights on the same batch, without is_clip (e.g. a framework's native KL, for
+        the live bias signal); on_policy=True drops the importance ratios (a native loss that applies none)."""
+        terms = replace(self.terms, is_clip=None,
+                        log_rho=torch.zeros_like(self.terms.log_rho) if on_policy else self.terms.log_rho)
+        return get_preset(preset).coefficients(terms) * terms.mask
+
+
+def _surrogate(term: KLTerm, beta: float | Tensor) -> Tensor:
+    grad_part = (term.coefficients * term.logp).sum()
+    return beta * (term.sequence_kl.sum() + (grad_part - grad_part.detach())) / term.logp.shape[0]
+
+
+def kl_term(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    preset: str | Preset = "sequence",
+    old_logp: Tensor | None = None,
+    is_clip: float | None = None,
+) -> KLTerm:
+    """Validate the batch once and compute the preset's weights and the per-sequence KL estimate (see `KLTerm`)."""
+    spec = get_preset(preset)
+    if is_clip is not None and not spec.uses_importance_weights:
+        raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
+    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
+    return KLTerm(logp=lp, terms=t, coefficients=spec.coefficients(t) * t.mask, sequence_kl=_value_per_sequence(t))
+
+
 def kl_surrogate(
     logp: Tensor,
     ref_logp: Tensor,
@@ -64,15 +114,9 @@ def kl_surrogate(
     is_clip caps every importance weight the preset uses (w_{1:t} or rho_t) at is_clip: lower variance, but biased
     (measured by `kl-adapters audit`). Off by default. Returned in the working dtype (float32 or float64).
     """
-    spec = get_preset(preset)
+    get_preset(preset)  # an unknown name is reported before anything else
     check_beta(beta)
-    if is_clip is not None and not spec.uses_importance_weights:
-        raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
-    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
-    coef = spec.coefficients(t)
-    grad_part = (coef * lp).sum()
-    value = _value_per_sequence(t).sum()
-    return beta * (value + (grad_part - grad_part.detach())) / logp.shape[0]
+    return _surrogate(kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip), beta)
 
 
 def kl_coefficients(

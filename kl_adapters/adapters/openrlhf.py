@@ -64,7 +64,7 @@ from torch import Tensor
 
 from .. import activation
 from ..activation import Settings
-from ..surrogate import kl_coefficients, kl_reward, kl_surrogate, sequence_kl
+from ..surrogate import KLTerm, kl_reward, kl_term, sequence_kl
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
 from .openrlhf_cli import FLAG
 
@@ -192,13 +192,16 @@ def _wrap_loss_kl(original: Callable) -> Callable:
             return original(log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)
         with torch.no_grad():
             value = original(log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)
-        _log_loss_metrics(step, log_probs, log_probs_base, log_probs_old, kl_estimator)
-        return value + _loss_term(step, log_probs, log_probs_base, log_probs_old).to(value.dtype)
+        s = step.settings
+        term = kl_term(log_probs, log_probs_base, step.experience.action_mask, preset=s.preset, old_logp=log_probs_old,
+                       is_clip=s.is_clip)
+        _log_loss_metrics(step, term, kl_estimator)
+        return value + _loss_term(step, term).to(value.dtype)
 
     return compute_approx_kl
 
 
-def _loss_term(step: _LossStep, logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None) -> Tensor:
+def _loss_term(step: _LossStep, kl: KLTerm) -> Tensor:
     """A [B, T] tensor of exact zeros whose gradient, through OpenRLHF's KL loss, is the preset's per-sequence term.
 
     OpenRLHF computes kl_loss = aggregate_loss(kl) = sum(kl * mask) / batch_num_tokens * dp_size and adds
@@ -207,25 +210,22 @@ def _loss_term(step: _LossStep, logp: Tensor, ref_logp: Tensor, old_logp: Tensor
     kl_surrogate, i.e. beta / N_seq per sequence of the optimizer step (see the module docstring). The value is
     s - s.detach() = 0 exactly, so OpenRLHF's ``kl`` metric is unchanged.
     """
-    s, info = step.settings, step.loss_batch_info
-    mask = step.experience.action_mask
-    term = kl_surrogate(logp, ref_logp, mask, preset=s.preset, old_logp=old_logp, is_clip=s.is_clip)
-    m = mask.to(term.dtype)
+    info = step.loss_batch_info
+    term = kl.surrogate()
+    m = step.experience.action_mask.to(term.dtype)
     n_seq = torch.as_tensor(info["global_batch_size"], dtype=term.dtype, device=term.device)
     n_tok = torch.as_tensor(info["batch_num_tokens"], dtype=term.dtype, device=term.device)
     # an all-empty window has n_tok = n_seq = 0 and no gradient to give: keep 0/0 out of the graph
-    scale = logp.shape[0] * n_tok / n_seq.clamp(min=torch.finfo(term.dtype).tiny) / m.sum().clamp(min=1)
+    scale = kl.logp.shape[0] * n_tok / n_seq.clamp(min=torch.finfo(term.dtype).tiny) / m.sum().clamp(min=1)
     spread = m * (term * scale)
     return spread - spread.detach()
 
 
-def _log_loss_metrics(step: _LossStep, logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, estimator: str) -> None:
-    s, mask, info = step.settings, step.experience.action_mask, step.experience.info
-    logp = logp.detach()
-    info[SEQ_KL] = sequence_kl(logp, ref_logp, mask, old_logp=old_logp, is_clip=s.is_clip)
-    native = kl_coefficients(logp, ref_logp, mask, preset=_NATIVE_LOSS_PRESET[estimator], old_logp=old_logp)
-    ours = kl_coefficients(logp, ref_logp, mask, preset=s.preset, old_logp=old_logp, is_clip=s.is_clip)
-    gap, size = (native - ours).abs().sum(), ours.abs().sum()  # both weights are zero at padding
+def _log_loss_metrics(step: _LossStep, kl: KLTerm, estimator: str) -> None:
+    info = step.experience.info
+    info[SEQ_KL] = kl.sequence_kl
+    native = kl.coefficients_of(_NATIVE_LOSS_PRESET[estimator])
+    gap, size = (native - kl.coefficients).abs().sum(), kl.coefficients.abs().sum()  # both zero at padding
     info[GRAD_WEIGHT_GAP] = torch.where(size > 0, gap / size.clamp(min=torch.finfo(size.dtype).tiny), 0.0)  # 0-dim
 
 

@@ -44,7 +44,7 @@ from trl import GRPOConfig  # not a trigger module: importing it patches nothing
 from .. import activation
 from ..activation import Settings
 from .._validate import check_is_clip
-from ..surrogate import kl_coefficients, kl_surrogate, sequence_kl
+from ..surrogate import KLTerm, kl_term
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -168,7 +168,7 @@ def _native_preset(trainer: GRPOTrainer) -> str:
     return "token" if trainer.args.use_bias_correction_kl else "k3-loss"
 
 
-def _log_metrics(trainer, mode, logp, ref, mask, behaviour, settings) -> None:
+def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> None:
     reduce = functools.partial(trainer.accelerator.reduce, reduction="sum")
     lp = logp.detach().float()
     m = mask.float()
@@ -176,12 +176,11 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, settings) -> None:
     k3 = torch.expm1(d) - d
     if trainer.args.use_bias_correction_kl:
         k3 = k3 * torch.exp(lp - (lp if behaviour is None else behaviour.float()))
-    c_native = kl_coefficients(lp, ref, mask, preset=_native_preset(trainer), old_logp=behaviour)
-    c_preset = kl_coefficients(lp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip)
-    seq = sequence_kl(lp, ref, mask, old_logp=behaviour, is_clip=settings.is_clip)
+    c_native = term.coefficients_of(_native_preset(trainer))
+    seq = term.sequence_kl
     totals = reduce(torch.stack([
         (k3 * m).sum(), m.sum(), seq.sum(), torch.tensor(float(seq.numel()), device=seq.device),
-        (c_native - c_preset).abs().sum(), c_preset.abs().sum(),
+        (c_native - term.coefficients).abs().sum(), term.coefficients.abs().sum(),
     ]).float()).tolist()
     metrics = trainer._metrics[mode]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
@@ -219,9 +218,9 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
     ref = inputs["ref_per_token_logps"]
     behaviour = behaviour_logps(inputs, logp)
     beta_seq = beta * mask.shape[0] / per_token_normaliser(self, inputs, mask)
-    kl = kl_surrogate(logp, ref, mask, preset=settings.preset, beta=beta_seq, old_logp=behaviour,
-                      is_clip=settings.is_clip)
-    _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, settings)
+    term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip)
+    kl = term.surrogate(beta_seq)
+    _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)
 
 

@@ -72,7 +72,7 @@ from torch import Tensor
 from .. import activation
 from ..activation import ENV_VAR, Settings, parse
 from ..presets import get_preset
-from ..surrogate import kl_coefficients, kl_reward, sequence_kl
+from ..surrogate import kl_reward, kl_term, sequence_kl
 from ._guard import UnsupportedFrameworkError, require_version
 
 SUPPORTED = "==0.9.1"
@@ -248,17 +248,17 @@ def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     (importance-weighted) KL estimate spread evenly over its tokens. Zero at padding. Also returns the metrics."""
     from verl.utils.metric import AggregationType, Metric
 
-    mask, opts = c.response_mask, {"old_logp": c.old_log_prob, "is_clip": c.settings.is_clip}
-    coef = kl_coefficients(c.log_prob, ref_log_prob, mask, preset=c.settings.preset, **opts)
-    seq_kl = sequence_kl(c.log_prob, ref_log_prob, mask, **opts)
-    lp = torch.where(mask, c.log_prob.to(coef.dtype), torch.zeros((), dtype=coef.dtype, device=coef.device))
+    mask = c.response_mask
+    kl = kl_term(c.log_prob, ref_log_prob, mask, preset=c.settings.preset, old_logp=c.old_log_prob,
+                 is_clip=c.settings.is_clip)
+    coef, seq_kl, lp = kl.coefficients, kl.sequence_kl, kl.logp
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     term = seq_kl[:, None] * mask / lengths + coef * (lp - lp.detach())
     if c.rollout_is_weights is not None:
         term = term * c.rollout_is_weights.detach().to(term.dtype)
     metrics = {"kl_adapters/seq_kl": seq_kl.mean().item()}
     if c.native is not None:
-        native = kl_coefficients(c.log_prob, ref_log_prob, mask, preset=c.native)
+        native = kl.coefficients_of(c.native, on_policy=True)
         gap = (native - coef).abs().sum() / coef.abs().sum().clamp(min=1e-30)
         metrics["kl_adapters/grad_weight_gap"] = gap.item()
     return term, {k: Metric(AggregationType.MEAN, v) for k, v in metrics.items()}

@@ -1,10 +1,14 @@
-"""Test helpers of the OpenRLHF suite (tests only): OpenRLHF's real command-line parsing, and the argument vector of a
-small run."""
+"""Test helpers of the OpenRLHF suite (tests only): OpenRLHF's real command-line parsing, the argument vector of a
+small run, and the loss-path setup shared by test_loss_path.py and upstream_patch_probe.py."""
 
 from __future__ import annotations
 
 import runpy
 import sys
+
+#: the loss-path run: kl_ctl, micro-batch size, gradient accumulation, response lengths of the 8 ragged sequences
+BETA, MICRO, GAS = 0.1, 2, 2
+RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
 
 
 def base_argv(model_dir: str) -> list[str]:
@@ -97,3 +101,73 @@ def use_cpu_device(actor) -> None:
     from openrlhf_cpu_shim import set_current_device
 
     set_current_device("cpu")
+
+
+def loss_path_batch(actor_dir: str, ref_dir: str) -> dict:
+    """8 ragged sequences with behaviour log-probs from a perturbed policy (off-policy from the first step), the
+    reference's log-probs and nonzero advantages: the Experience fields of the loss-path run."""
+    import torch
+    from openrlhf_cpu_shim import load_actor, perturbed, random_batch
+
+    actor, ref = load_actor(actor_dir), load_actor(ref_dir)
+    behaviour = perturbed(actor, 0.05, seed=3)
+    sequences, attention_mask, action_mask = random_batch(len(RESPONSES), 4, RESPONSES, seed=0)
+    with torch.no_grad():
+        old = behaviour(sequences, action_mask, attention_mask=attention_mask)
+        base = ref(sequences, action_mask, attention_mask=attention_mask)
+    advantages = 0.3 * torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(4)) * action_mask
+    return dict(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, action_log_probs=old,
+                base_action_log_probs=base, advantages=advantages)
+
+
+def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = "cpu"):
+    """OpenRLHF's ppo_train on the batch (micro-batches of MICRO, GAS per optimizer step): (trainer, recorded
+    (experience, loss_batch_info) per training step, status); the strategy shim logs every step's gradient."""
+    import torch
+    from openrlhf_cpu_shim import load_actor
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    trainer = build_trainer(args, load_actor(actor_dir).to(device), micro_batch=MICRO, gas=GAS, device=device)
+    trainer.strategy.ds_device_mesh = mesh
+    steps = record_steps(trainer)
+    trainer.replay_buffer.append(Experience(**{k: v.clone() for k, v in batch.items()},
+                                            total_length=batch["attention_mask"].sum(-1),
+                                            index=list(range(len(RESPONSES))), info={}))
+    torch.manual_seed(0)  # ppo_train shuffles the replay buffer
+    status = trainer.ppo_train(kl_ctl=BETA)
+    return trainer, steps, status
+
+
+def load_params(actor_dir: str, params: dict):
+    """The actor with the parameters a strategy logged (on their device)."""
+    import torch
+    from openrlhf_cpu_shim import load_actor
+
+    model = load_actor(actor_dir).to(next(iter(params.values())).device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS):
+    """grad of  sum_micro PolicyLoss / gas  +  beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq).
+
+    The KL part is computed one sequence at a time (B = 1), so its divisor is the count N_seq of non-empty sequences
+    in the optimizer step, counted here, not OpenRLHF's normaliser. `settings`: the preset and is_clip."""
+    import torch
+
+    from kl_adapters import kl_surrogate
+
+    task, per_sequence = 0.0, []
+    for exp, info in window:
+        logp = model(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
+        task = task + trainer.actor_loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
+                                            **info)[0] / gas
+        per_sequence += [kl_surrogate(logp[b:b + 1], exp.base_action_log_probs[b:b + 1], exp.action_mask[b:b + 1],
+                                      preset=settings.preset, old_logp=exp.action_log_probs[b:b + 1],
+                                      is_clip=settings.is_clip)
+                         for b in range(len(logp)) if exp.action_mask[b].any()]
+    loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])

@@ -17,11 +17,16 @@ import kl_adapters
 from kl_adapters import activation, kl_coefficients, kl_surrogate, sequence_kl
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
-from openrlhf_cpu_shim import load_actor, perturbed, random_batch
-from openrlhf_harness import base_argv, build_trainer, cli_args, record_steps
-
-BETA, MICRO, GAS, LR = 0.1, 2, 2, 0.5
-RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
+from openrlhf_harness import (
+    BETA,
+    GAS,
+    base_argv,
+    cli_args,
+    load_params,
+    loss_path_batch,
+    ppo_train_on,
+    reference_grad,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,56 +36,7 @@ def args(actor_dir):
 
 @pytest.fixture(scope="module")
 def batch(actor_dir, ref_dir):
-    actor, ref = load_actor(actor_dir), load_actor(ref_dir)
-    behaviour = perturbed(actor, 0.05, seed=3)
-    sequences, attention_mask, action_mask = random_batch(len(RESPONSES), 4, RESPONSES, seed=0)
-    with torch.no_grad():
-        old = behaviour(sequences, action_mask, attention_mask=attention_mask)
-        base = ref(sequences, action_mask, attention_mask=attention_mask)
-    advantages = 0.3 * torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(4)) * action_mask
-    return dict(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, action_log_probs=old,
-                base_action_log_probs=base, advantages=advantages)
-
-
-def run(args, actor_dir, batch, mesh=None, device="cpu"):
-    """ppo_train on the batch; returns the trainer (its strategy logs every step) and the recorded training steps."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    trainer = build_trainer(args, load_actor(actor_dir).to(device), micro_batch=MICRO, gas=GAS, lr=LR, device=device)
-    trainer.strategy.ds_device_mesh = mesh
-    steps = record_steps(trainer)
-    trainer.replay_buffer.append(Experience(**{k: v.clone() for k, v in batch.items()},
-                                            total_length=batch["attention_mask"].sum(-1),
-                                            index=list(range(len(RESPONSES))), info={}))
-    torch.manual_seed(0)  # ppo_train shuffles the replay buffer
-    status = trainer.ppo_train(kl_ctl=BETA)
-    return trainer, steps, status
-
-
-def load_params(actor_dir, params):
-    model = load_actor(actor_dir).to(next(iter(params.values())).device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
-    return model
-
-
-def reference_grad(model, window, trainer, settings, beta, gas=GAS):
-    """grad of  sum_micro PolicyLoss / gas  +  beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq).
-
-    The KL part is computed one sequence at a time (B = 1), so its divisor is the count N_seq of non-empty sequences
-    in the optimizer step, counted here, not OpenRLHF's normaliser."""
-    task, per_sequence = 0.0, []
-    for exp, info in window:
-        logp = model(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
-        task = task + trainer.actor_loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
-                                            **info)[0] / gas
-        per_sequence += [kl_surrogate(logp[b:b + 1], exp.base_action_log_probs[b:b + 1], exp.action_mask[b:b + 1],
-                                      preset=settings.preset, old_logp=exp.action_log_probs[b:b + 1],
-                                      is_clip=settings.is_clip)
-                         for b in range(len(logp)) if exp.action_mask[b].any()]
-    loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+    return loss_path_batch(actor_dir, ref_dir)
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -96,7 +52,7 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
     The cuda case (skipped without CUDA) runs the same check with the model and batches on the GPU."""
     settings = activation.parse(preset)
     kl_adapters.enable(settings.preset, is_clip=settings.is_clip)
-    trainer, steps, _ = run(args, actor_dir, batch, device=device)
+    trainer, steps, _ = ppo_train_on(args, actor_dir, batch, device=device)
     log = trainer.strategy
     assert len(log.grad_log) == len(steps) // GAS == 4
     for k, grad in enumerate(log.grad_log):
@@ -136,12 +92,12 @@ def test_flag_off_is_bit_identical(args, actor_dir, batch, cpu_cuda):
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
 
     original = ppo_actor.ActorPPOTrainer.training_step
-    pristine, _, pristine_status = run(args, actor_dir, batch)
+    pristine, _, pristine_status = ppo_train_on(args, actor_dir, batch)
     kl_adapters.enable("sequence")
     assert ppo_actor.ActorPPOTrainer.training_step is not original
     off = copy.deepcopy(args)
     off.algo.kl.preset = "none"
-    patched, _, patched_status = run(off, actor_dir, batch)
+    patched, _, patched_status = ppo_train_on(off, actor_dir, batch)
     kl_adapters.disable()
     assert ppo_actor.ActorPPOTrainer.training_step is original
     assert ppo_actor.compute_approx_kl is model_utils.compute_approx_kl
@@ -157,7 +113,7 @@ def test_conflict_is_refused_inside_the_trainer(args, actor_dir, batch, cpu_cuda
     bad = copy.deepcopy(args)
     bad.algo.kl.unbiased_gradient = True
     with pytest.raises(ValueError, match="unbiased_gradient"):
-        run(bad, actor_dir, batch)
+        ppo_train_on(bad, actor_dir, batch)
 
 
 def test_version_guard(monkeypatch):
@@ -204,7 +160,7 @@ def test_dynamic_batching_gradient(args, actor_dir, batch, cpu_cuda, process_gro
     kl_adapters.enable("sequence")
     dynamic = copy.deepcopy(args)
     dynamic.train.dynamic_batch_enable, dynamic.train.max_tokens_per_gpu = True, 24
-    trainer, steps, _ = run(dynamic, actor_dir, batch, mesh=process_group)
+    trainer, steps, _ = ppo_train_on(dynamic, actor_dir, batch, mesh=process_group)
     buffer, log = trainer.replay_buffer, trainer.strategy
     ends = [i + 1 for i, last in enumerate(buffer.dynamic_optimizer_step * dynamic.train.max_epochs) if last]
     assert len(log.grad_log) == len(ends) == 4 and len(steps) > len(ends)  # uneven micro-batches per step

@@ -13,10 +13,9 @@ import kl_adapters
 from kl_adapters import kl_surrogate, sequence_kl
 from kl_adapters.adapters import openrlhf as adapter
 from openrlhf_cpu_shim import VOCAB, load_actor
-from openrlhf_harness import base_argv, build_trainer, cli_args
+from openrlhf_harness import BETA, RESPONSES, base_argv, build_trainer, cli_args
 
-BETA, PROMPT = 0.1, 4
-RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
+PROMPT = 4
 
 
 @pytest.fixture(scope="module")

@@ -23,82 +23,23 @@ from pathlib import Path
 
 import torch
 
-BETA, MICRO, GAS = 0.1, 2, 2
-RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
-
-
-def make_batch(actor_dir: str, ref_dir: str) -> dict:
-    from openrlhf_cpu_shim import load_actor, perturbed, random_batch
-
-    actor, ref = load_actor(actor_dir), load_actor(ref_dir)
-    behaviour = perturbed(actor, 0.05, seed=3)
-    sequences, attention_mask, action_mask = random_batch(len(RESPONSES), 4, RESPONSES, seed=0)
-    with torch.no_grad():
-        old = behaviour(sequences, action_mask, attention_mask=attention_mask)
-        base = ref(sequences, action_mask, attention_mask=attention_mask)
-    advantages = 0.3 * torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(4)) * action_mask
-    return dict(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, action_log_probs=old,
-                base_action_log_probs=base, advantages=advantages)
-
-
-def train(args, actor_dir: str, batch: dict):
-    """OpenRLHF's ppo_train on the batch: (trainer, recorded (experience, loss_batch_info) per step, status)."""
-    from openrlhf_cpu_shim import load_actor
-    from openrlhf_harness import build_trainer, record_steps
-
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    trainer = build_trainer(args, load_actor(actor_dir), micro_batch=MICRO, gas=GAS)
-    steps = record_steps(trainer)
-    trainer.replay_buffer.append(Experience(**{k: v.clone() for k, v in batch.items()},
-                                            total_length=batch["attention_mask"].sum(-1),
-                                            index=list(range(len(RESPONSES))), info={}))
-    torch.manual_seed(0)  # ppo_train shuffles the replay buffer
-    status = trainer.ppo_train(kl_ctl=BETA)
-    return trainer, steps, status
-
-
-def expected_grad(model, window, trainer, beta: float) -> torch.Tensor:
-    """grad of sum_micro PolicyLoss / gas + beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq),
-    the KL computed one sequence at a time (B = 1), N_seq counted here."""
-    from kl_adapters import kl_surrogate
-
-    task, per_sequence = 0.0, []
-    for exp, info in window:
-        logp = model(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
-        task = task + trainer.actor_loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
-                                            **info)[0] / GAS
-        per_sequence += [kl_surrogate(logp[b:b + 1], exp.base_action_log_probs[b:b + 1], exp.action_mask[b:b + 1],
-                                      preset="sequence", old_logp=exp.action_log_probs[b:b + 1])
-                         for b in range(len(logp)) if exp.action_mask[b].any()]
-    loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
-
-
-def load_params(actor_dir: str, params: dict):
-    from openrlhf_cpu_shim import load_actor
-
-    model = load_actor(actor_dir)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
-    return model
-
 
 def sequence_level(argv: list[str], actor_dir: str, batch: dict) -> dict:
-    from openrlhf_harness import cli_args
+    from openrlhf_harness import BETA, GAS, cli_args, load_params, ppo_train_on, reference_grad
+
+    from kl_adapters.activation import Settings
 
     from openrlhf.models import aggregate_loss
     from openrlhf.models.utils import compute_approx_kl
 
-    trainer, steps, _ = train(cli_args(argv + ["--algo.kl.level", "sequence"]), actor_dir, batch)
+    trainer, steps, _ = ppo_train_on(cli_args(argv + ["--algo.kl.level", "sequence"]), actor_dir, batch)
     log = trainer.strategy
-    errors, share = {}, {}
+    errors, share, sequence = {}, {}, Settings("sequence", None)
     for k, grad in enumerate(log.grad_log):
         window = steps[GAS * k:GAS * (k + 1)]
         model = load_params(actor_dir, log.params_log[k])
-        expected = expected_grad(model, window, trainer, BETA)
-        kl_part = expected - expected_grad(model, window, trainer, 0.0)
+        expected = reference_grad(model, window, trainer, sequence, BETA)
+        kl_part = expected - reference_grad(model, window, trainer, sequence, 0.0)
         errors[k], share[k] = float((grad - expected).norm() / kl_part.norm()), float(kl_part.norm() / grad.norm())
     exp, info = steps[0]
     with torch.no_grad():
@@ -135,13 +76,13 @@ def function_errors() -> dict:
 def main(tree: str, actor_dir: str, ref_dir: str, out: str, mode: str) -> None:
     import openrlhf
     from openrlhf_cpu_shim import install_cuda_shims
-    from openrlhf_harness import base_argv, cli_args
+    from openrlhf_harness import base_argv, cli_args, loss_path_batch, ppo_train_on
 
     assert Path(openrlhf.__file__).resolve().is_relative_to(Path(tree).resolve()), openrlhf.__file__
     torch.set_num_threads(1)
     install_cuda_shims()
-    argv, batch = base_argv(actor_dir), make_batch(actor_dir, ref_dir)
-    trainer, _, status = train(cli_args(argv), actor_dir, batch)
+    argv, batch = base_argv(actor_dir), loss_path_batch(actor_dir, ref_dir)
+    trainer, _, status = ppo_train_on(cli_args(argv), actor_dir, batch)
     result = {"openrlhf_file": openrlhf.__file__, "flag_off": (trainer.strategy.grad_log, status)}
     if mode == "patched":
         result.update(sequence_level(argv, actor_dir, batch), cli=cli_refusals(argv), **function_errors())

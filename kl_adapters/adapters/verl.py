@@ -66,7 +66,6 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .. import activation

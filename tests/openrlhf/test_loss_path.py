@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kl_adapters
-from kl_adapters import activation, kl_coefficients, kl_surrogate, sequence_kl
+from kl_adapters import activation, kl_coefficients, sequence_kl
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
 from openrlhf_harness import (

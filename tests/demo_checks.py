@@ -1,0 +1,73 @@
+"""Helpers shared by the demo tests of every suite (tests only; each suite puts tests/ on sys.path).
+
+The exact-objective benchmark must solve the same problem in every framework environment, and each framework's
+runner must train through that framework's loss with the documented gradient: these are the checks they share.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kl_adapters.demo.harness import core_loss, sample_batch
+from kl_adapters.demo.problem import ToyProblem, completion_logprobs, enumerated_input_ids, sequence_logprobs
+
+#: sum of log pi_ref over the 63 sequences for seed 0: the same in the TRL, verl and OpenRLHF environments (their
+#: transformers versions differ), so every framework's benchmark solves the same problem
+REFERENCE_CHECKSUM = -321.6748777134
+
+
+def reference_checksum(problem: ToyProblem) -> float:
+    return float(sequence_logprobs(problem, problem.model(seed=0)).sum())
+
+
+def run_runner(demo_common, module, configs: list[str], out: Path, group: int) -> dict:
+    """A bench/demo_<framework>.py runner through its own main (3 steps, 1 seed, in this process); checks the files
+    and the exact histories, returns the JSON document."""
+    code = demo_common.main(name=module.NAME, framework=module.FRAMEWORK, run=module.run, configs=module.CONFIGS,
+                            baseline=module.BASELINE, notes=module.__doc__,
+                            argv=["--steps", "3", "--seeds", "1", "--group", str(group), "--workers", "0",
+                                  "--configs", ",".join(configs), "--out", str(out)])
+    assert code == 0
+    doc = json.loads((out / f"{module.NAME}.json").read_text())
+    assert (out / f"{module.NAME}.png").stat().st_size > 0 and (out / f"{module.NAME}.txt").exists()
+    assert "--steps 3" in doc["command"] and list(doc["histories"]) == configs
+    for config in configs:
+        (history,) = doc["histories"][config]
+        assert len(history) == 4
+        assert all(math.isfinite(v) for step in history for v in step.values())
+        (metrics,) = doc["framework_metrics"][config]
+        assert len(metrics) == 3
+    (ratio,) = doc["ratio"]["per_seed"]
+    assert math.isfinite(ratio) and ratio > 0
+    return doc
+
+
+def sampled_group(group: int):
+    """A policy moved away from its reference and one group sampled from it (harness.sample_batch)."""
+    problem = ToyProblem()
+    model = problem.model(0)
+    with torch.no_grad():
+        ref = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen) * p.abs().mean())
+    batch, _ = sample_batch(problem, model, ref, group, torch.Generator().manual_seed(2))
+    return problem, model, batch
+
+
+def _grad(loss, model):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+
+def kl_part_error(loss_fn, problem, model, batch, preset: str | None, group: int) -> float:
+    """Relative error of a framework loss's gradient against (G T / N_tok) grad harness.core_loss(preset), measured
+    on the KL part (on the task gradient when preset is None)."""
+    scale = group * problem.horizon / batch.completion_mask.sum()
+    ours = _grad(loss_fn(model, batch), model)
+    expected = scale * _grad(core_loss(problem, preset, group)(model, batch), model)
+    task = scale * _grad(core_loss(problem, None, group)(model, batch), model)
+    return ((ours - expected).norm() / (task.norm() if preset is None else (expected - task).norm())).item()

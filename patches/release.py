@@ -160,6 +160,12 @@ def fetch_tree(project: str, dest: Path, version: str | None = None, *, patched:
     return root
 
 
+def fetch_trees(project: str, dest: Path, version: str | None = None) -> tuple[Path, Path]:
+    """(pristine, patched) source roots of the release under dest, downloaded once; fetching the patched one asserts
+    that the patch applies cleanly."""
+    return fetch_tree(project, dest, version, patched=False), fetch_tree(project, dest, version, patched=True)
+
+
 def run_in_tree(tree: Path, args: list[str], *, python: str = sys.executable, path: tuple[str, ...] = (),
                 timeout: float = 600) -> subprocess.CompletedProcess:
     """`python <args>` in `tree` with the tree first on sys.path (then `path`), so that `import <project>` is the

@@ -34,8 +34,7 @@ REL = release.PINNED["openrlhf"]
 def trees(tmp_path_factory):
     """(pristine, patched) OpenRLHF 0.11.2 source roots; fetching the patched one asserts that the patch applies
     cleanly."""
-    work = tmp_path_factory.mktemp("openrlhf_release")
-    return (release.fetch_tree("openrlhf", work, patched=False), release.fetch_tree("openrlhf", work, patched=True))
+    return release.fetch_trees("openrlhf", tmp_path_factory.mktemp("openrlhf_release"))
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,7 @@ REL = release.PINNED["trl"]
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     """(pristine, patched) trl 1.16.0 source roots; fetching the patched one asserts that the patch applies cleanly."""
-    work = tmp_path_factory.mktemp("trl_release")
-    return (release.fetch_tree("trl", work, patched=False), release.fetch_tree("trl", work, patched=True))
+    return release.fetch_trees("trl", tmp_path_factory.mktemp("trl_release"))
 
 
 @pytest.fixture(scope="module")

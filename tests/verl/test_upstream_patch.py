@@ -32,8 +32,7 @@ REL = release.PINNED["verl"]
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     """(pristine, patched) verl 0.9.1 source roots; fetching the patched one asserts that the patch applies cleanly."""
-    work = tmp_path_factory.mktemp("verl_release")
-    return (release.fetch_tree("verl", work, patched=False), release.fetch_tree("verl", work, patched=True))
+    return release.fetch_trees("verl", tmp_path_factory.mktemp("verl_release"))
 
 
 @pytest.fixture(scope="module")

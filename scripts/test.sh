@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: build each framework's environment, then run its suite in it.
-# Usage: scripts/test.sh [core] [trl] [verl] [openrlhf]      (default: all four, in that order)
+# Usage: scripts/test.sh [core] [trl] [verl] [openrlhf] [<framework>==<version>]...   (default: all four, in that order)
+# A <framework>==<version> suite builds .venvs/<framework>-<version> (scripts/envs.sh) and runs the tests of
+# tests/<framework> marked `compat` (gradient identity, flag off bit-identical) against that release.
 # Each suite runs in its own virtual environment (.venvs/<name>) because the frameworks' pins conflict
 # (verl needs transformers<5.11, OpenRLHF pins 5.15.0). Every suite runs even if an earlier one fails; the exit code
 # is non-zero if any failed. Extra pytest arguments: PYTEST_ARGS="-x -k foo" scripts/test.sh core
@@ -15,10 +17,12 @@ for suite in "$@"; do
   start=$(date +%s)
   echo "=== [$suite] building .venvs/$suite"
   if ! scripts/envs.sh "$suite"; then failed+=("$suite(env)"); continue; fi
-  echo "=== [$suite] running tests/$suite"
+  name=${suite%%==*} venv=".venvs/$suite" select=()
+  if [ "$name" != "$suite" ]; then venv=".venvs/$name-${suite#*==}" select=(-m compat); fi
+  echo "=== [$suite] running tests/$name ${select[*]}"
   # `bin/pytest` (not `python -m pytest`) keeps the checkout off sys.path: tests import the *installed* kl_adapters.
   # shellcheck disable=SC2086
-  if ! ".venvs/$suite/bin/pytest" "tests/$suite" -p no:cacheprovider ${PYTEST_ARGS:-}; then failed+=("$suite"); fi
+  if ! "$venv/bin/pytest" "tests/$name" "${select[@]}" -p no:cacheprovider ${PYTEST_ARGS:-}; then failed+=("$suite"); fi
   echo "=== [$suite] $(( $(date +%s) - start )) s"
 done
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED suites: ${failed[*]}"; exit 1; fi

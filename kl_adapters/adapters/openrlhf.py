@@ -66,10 +66,9 @@ from .. import activation
 from ..activation import Settings
 from ..surrogate import KLTerm, kl_reward, kl_term, sequence_kl
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
+from .versions import supported_range
 from .openrlhf_cli import FLAG
 
-#: OpenRLHF versions the tests run against
-SUPPORTED = "==0.11.2"
 SEQ_KL = "kl_adapters/seq_kl"
 GRAD_WEIGHT_GAP = "kl_adapters/grad_weight_gap"
 
@@ -252,7 +251,7 @@ def _wrap_make_experience(original: Callable) -> Callable:
             _reward_samples.reset(token)
         if next(pending, None) is not None:
             raise UnsupportedFrameworkError("OpenRLHF's make_experience computed fewer KLs than it has sample batches; "
-                                            f"kl-adapters supports openrlhf{SUPPORTED}'s code path only")
+                                            f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
         return experiences
 
     return make_experience
@@ -267,7 +266,7 @@ def _wrap_reward_kl(original: Callable) -> Callable:
         sample = next(pending, None)
         if sample is None or sample.action_mask.shape != log_probs.shape:
             raise UnsupportedFrameworkError("OpenRLHF's make_experience computed its KLs in an unexpected order; "
-                                            f"kl-adapters supports openrlhf{SUPPORTED}'s code path only")
+                                            f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
         sample.info[SEQ_KL] = sequence_kl(log_probs, log_probs_base, sample.action_mask)
         # k1_t (zero at padding, no clamp): compute_reward turns it into the reward -kl_coef * k1_t
         return (-kl_reward(log_probs, log_probs_base, sample.action_mask, beta=1.0)).float()
@@ -310,7 +309,7 @@ def patch(trigger: str) -> None:
         openrlhf.utils.config.hierarchize (the CLI's args builder, which then carries the flag into the actors);
     openrlhf.trainer.ppo_utils.experience_maker: RemoteExperienceMaker.make_experience, its compute_approx_kl binding.
     """
-    require_version("openrlhf", SUPPORTED)
+    require_version("openrlhf")
     module = sys.modules[trigger]
     if trigger == _PPO_ACTOR:
         _replace(module.ActorPPOTrainer, "training_step", _wrap_training_step)

@@ -50,7 +50,6 @@ from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_versi
 if TYPE_CHECKING:  # pragma: no cover
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-SUPPORTED = "==1.16.0"
 _GRPO_MODULE = "trl.trainer.grpo_trainer"
 logger = logging.getLogger(__name__)
 
@@ -279,9 +278,9 @@ def _kl_compute_loss(original):
 def patch(trigger: str) -> None:
     """Install the wrappers (idempotent); they fall through to TRL's code while no preset is set.
 
-    Refuses trl versions outside SUPPORTED. `trigger` is the TRL module just imported (see activation.ADAPTERS).
+    Refuses trl versions outside versions.TESTED. `trigger` is the TRL module just imported (see activation.ADAPTERS).
     """
-    require_version("trl", SUPPORTED)
+    require_version("trl")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     _wrap(GRPOTrainer, "compute_loss", _kl_compute_loss)

@@ -73,8 +73,8 @@ from ..activation import ENV_VAR, Settings, parse
 from ..presets import get_preset
 from ..surrogate import kl_reward, kl_term, sequence_kl
 from ._guard import UnsupportedFrameworkError, require_version
+from .versions import supported_range
 
-SUPPORTED = "==0.9.1"
 #: verl estimator names starting with this select a preset: "kl_adapters:<KL_ADAPTERS value>"
 PREFIX = "kl_adapters:"
 _ORIGINAL = "__kl_adapters_original__"
@@ -390,7 +390,7 @@ def patch(trigger: str) -> None:
     whose signature differs from 0.9.1's, with UnsupportedFrameworkError. Copies made by `from <trigger> import name`
     in verl modules loaded before this call are rebound too (the import-site binding pitfall), except kl_penalty and
     get_policy_loss_fn, which are wrapped only where ppo_loss looks them up."""
-    version = require_version("verl", SUPPORTED)
+    version = require_version("verl")
     module = sys.modules[trigger]
     for site in SITES[trigger]:
         original = getattr(module, site.name, None)
@@ -400,7 +400,7 @@ def patch(trigger: str) -> None:
         if params[: len(site.params)] != site.params:
             raise UnsupportedFrameworkError(
                 f"verl {version}: {trigger}.{site.name}{params} is not the function kl-adapters was tested with "
-                f"(verl{SUPPORTED}, parameters {site.params})")
+                f"({supported_range('verl')}, parameters {site.params})")
         wrapper = functools.wraps(original)(site.wrap(original))
         setattr(wrapper, _ORIGINAL, original)
         targets = _verl_modules() if site.everywhere else [module]

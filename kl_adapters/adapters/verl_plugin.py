@@ -22,7 +22,6 @@ from .. import activation
 from ._guard import require_version
 
 _log = logging.getLogger("kl_adapters")
-_SUPPORTED = "==0.9.1"  # kl_adapters.adapters.verl.SUPPORTED (that module imports torch)
 
 
 def install() -> None:
@@ -32,7 +31,7 @@ def install() -> None:
     except ValueError as exc:
         _log.warning("kl-adapters: %s", exc)
     try:
-        require_version("verl", _SUPPORTED)
+        require_version("verl")
     except Exception as exc:  # noqa: BLE001 - UnsupportedFrameworkError, or verl metadata missing
         _log.warning("kl-adapters: verl adapter inactive: %s", exc)
         return

@@ -13,7 +13,7 @@ from kl_adapters.adapters import trl as adapter
 def test_refuses_untested_trl_version(monkeypatch):
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda d: "1.15.2" if d == "trl" else real(d))
-    with pytest.raises(_guard.UnsupportedFrameworkError, match=r"supports trl==1\.16\.0.*found trl==1\.15\.2"):
+    with pytest.raises(_guard.UnsupportedFrameworkError, match=r"supports trl 1\.16\.0 .*found trl==1\.15\.2"):
         adapter.patch("trl.trainer.grpo_trainer")
     monkeypatch.setenv(_guard.ALLOW_UNTESTED_ENV, "1")
     with pytest.warns(RuntimeWarning, match="trl==1.15.2"):

@@ -100,7 +100,7 @@ def verl_version(monkeypatch):
 def test_untested_verl_version_is_refused(verl_version, monkeypatch):
     verl_adapter.unpatch()
     verl_version("0.9.2")
-    with pytest.raises(UnsupportedFrameworkError, match=r"supports verl==0\.9\.1 .* found verl==0\.9\.2"):
+    with pytest.raises(UnsupportedFrameworkError, match=r"supports verl 0\.9\.1 .* found verl==0\.9\.2"):
         verl_adapter.patch("verl.workers.utils.losses")
     with pytest.raises(UnsupportedFrameworkError):
         activation.enable("sequence")  # an explicit activation fails loudly

@@ -2,6 +2,8 @@
 
 Public API (stable names):
     kl_surrogate(logp, ref_logp, mask, *, preset="sequence", beta=1.0, old_logp=None, is_clip=None) -> 0-dim tensor
+    kl_statistics(logp, ref_logp, mask, *, old_logp=None, group=None) -> KLStatistics   leave-one-out batch statistics
+    kl_term(...) -> KLTerm                                         one validated pass: loss term, weights, metrics
     kl_reward, kl_coefficients, sequence_kl, per_sequence_beta    KL reward tensor, gradient weights, diagnostics
     PRESETS, RECOMMENDED, get_preset, Preset                       the preset registry and its metadata
     enable(preset), disable(), active()                           switch the framework adapters on/off (or KL_ADAPTERS=)
@@ -22,6 +24,8 @@ _EXPORTS = {
     "kl_reward": "surrogate",
     "kl_coefficients": "surrogate",
     "kl_term": "surrogate",
+    "kl_statistics": "surrogate",
+    "KLStatistics": "reductions",
     "KLTerm": "surrogate",
     "sequence_kl": "surrogate",
     "per_sequence_beta": "surrogate",
@@ -38,7 +42,9 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import active, disable, enable
     from .presets import PRESETS, RECOMMENDED, Preset, get_preset
-    from .surrogate import KLTerm, kl_coefficients, kl_reward, kl_surrogate, kl_term, per_sequence_beta, sequence_kl
+    from .reductions import KLStatistics
+    from .surrogate import (KLTerm, kl_coefficients, kl_reward, kl_statistics, kl_surrogate, kl_term,
+                            per_sequence_beta, sequence_kl)
 
 
 def __getattr__(name: str):

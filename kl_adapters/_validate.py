@@ -13,12 +13,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
 
-def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None = None) -> Tensor:
+def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None = None,
+                also_finite: dict[str, Tensor] | None = None) -> Tensor:
     """Validate a [B, T] batch of per-token log-probs and return the mask as a bool tensor.
 
     Raises TypeError / ValueError naming the offending argument when: an argument is not a tensor, shapes or devices
     differ, tensors are not 2-D, log-probs are not floating point, the mask holds values other than 0/1, or a log-prob is
     non-finite at a real (unmasked) token. Padding may hold anything (it is never read past this check).
+    also_finite: further [B, T]-broadcastable tensors (already shape-checked) that must be finite at real tokens.
     One host synchronisation for all value checks.
     """
     import torch
@@ -47,6 +49,8 @@ def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor |
         if name != "mask":
             nonfinite_real_token = (~torch.isfinite(t.detach()) & m).any()
             flags.append((name, nonfinite_real_token))
+    for name, t in (also_finite or {}).items():
+        flags.append((name, (~torch.isfinite(t.detach()) & m).any()))
     bad = torch.stack([f for _, f in flags]).tolist()
     if bad[0]:
         raise ValueError("mask must contain only 0/1 (or bool) values")
@@ -54,6 +58,42 @@ def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor |
         if is_bad:
             raise ValueError(f"{name} has non-finite values (nan/inf) at unmasked tokens")
     return m
+
+
+def check_statistics(cv_coef: Tensor, baseline: Tensor, logp: Tensor) -> dict[str, Tensor]:
+    """KLStatistics rows must align with the [B, T] batch: cv_coef [B], baseline [B, T], floating, on logp's device.
+
+    Returns the tensors to check for finiteness at real tokens (broadcast to [B, T]) in check_batch's one sync.
+    """
+    from torch import Tensor
+    for name, t, shape in (("statistics.cv_coef", cv_coef, logp.shape[:1]), ("statistics.baseline", baseline,
+                                                                            logp.shape)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (rows aligned with logp "
+                             f"{tuple(logp.shape)}: slice the statistics with the batch)")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t.device != logp.device:
+            raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
+    return {"statistics.cv_coef": cv_coef[:, None].expand(logp.shape), "statistics.baseline": baseline}
+
+
+def check_group(group: Tensor | None, logp: Tensor) -> None:
+    """group, when given, holds one integer id per row of the batch ([B], on logp's device)."""
+    if group is None:
+        return
+    import torch
+    from torch import Tensor
+    if not isinstance(group, Tensor):
+        raise TypeError(f"group must be a torch.Tensor of integer ids, got {type(group).__name__}")
+    if group.shape != logp.shape[:1]:
+        raise ValueError(f"group has shape {tuple(group.shape)}, expected ({logp.shape[0]},): one id per sequence")
+    if group.is_floating_point() or group.is_complex() or group.dtype == torch.bool:
+        raise TypeError(f"group must hold integer ids, got {group.dtype}")
+    if group.device != logp.device:
+        raise ValueError(f"group is on {group.device}, logp on {logp.device}")
 
 
 def check_beta(beta: float | Tensor) -> None:

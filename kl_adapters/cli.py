@@ -36,7 +36,7 @@ def _presets(args: argparse.Namespace) -> int:
     for p in PRESETS.values():
         unbiased = ", ".join(w for w, ok in (("on-policy", p.unbiased_on_policy), ("off-policy", p.unbiased_off_policy))
                              if ok) or "no"
-        print(f"{p.name:<11} {p.summary}\n{'':<11} gradient: {p.gradient}\n{'':<11} importance weights: "
+        print(f"{p.name:<15} {p.summary}\n{'':<15} gradient: {p.gradient}\n{'':<15} importance weights: "
               f"{p.importance_weights}; unbiased for grad KL_seq: {unbiased}\n")
     return 0
 

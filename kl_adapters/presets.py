@@ -13,17 +13,22 @@ E[g] against the exact gradients named in `target_on_policy` / `target_off_polic
 Notation: k1_t = log pi/pi_ref (current theta), k3_t = expm1(-k1_t) + k1_t, rho_t = pi(y_t)/mu(y_t) with mu the
 behaviour policy that sampled the batch (rho = 1 on-policy), w_{1:t} = prod_{s<=t} rho_s. Rows refer to the
 configuration table of the project's theory notes (Tang & Munos 2025; Shah et al. 2025).
+
+`sequence` and `reward` are variance-reduced: a control variate a (r_s - 1) on the future terms (r = pi_ref/pi) and
+a baseline b_t, with leave-one-out statistics from the other rows of the batch (`reductions.py` states both and why
+they are exact). `sequence-plain` and `reward-plain` are the same estimators without the reductions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from .estimators import k3, reverse_cumsum
+from .reductions import KLStatistics, control_variate
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
 TARGET_NAMES = ("kl_seq", "partial_reverse", "partial_forward", "zero", "kl_seq_minus_partial_forward")
@@ -37,6 +42,8 @@ class Terms:
     log_rho: Tensor
     mask: Tensor
     is_clip: float | None
+    #: leave-one-out statistics of the batch; set for (and only read by) presets with uses_batch_statistics
+    statistics: KLStatistics | None = None
 
     def token_ratio(self) -> Tensor:
         """rho_t = pi/mu per token, capped at is_clip when set (1 on-policy)."""
@@ -74,20 +81,43 @@ class Preset:
     legacy: bool
     theory_row: str
     coefficients: Callable[[Terms], Tensor]
+    #: the weight reads Terms.statistics (leave-one-out over the batch's other rows: a batch estimator)
+    uses_batch_statistics: bool = False
 
     @property
     def uses_importance_weights(self) -> bool:
         return self.importance_weights != "none"
 
 
-def _sequence(t: Terms) -> Tensor:
+def _sequence_plain(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} k1_s: pathwise reverse term w_{1:t} k1_t + detached per-decision future-KL return.
     return reverse_cumsum(t.prefix_weights() * t.k1)
 
 
-def _reward(t: Terms) -> Tensor:
+def _reward_plain(t: Terms) -> Tensor:
     # c_t = rho_t * sum_{s>=t} k1_s: k1 reward-to-go in the advantage, PPO-style per-token ratio off-policy.
     return t.token_ratio() * reverse_cumsum(t.k1)
+
+
+def _future_cv(t: Terms) -> tuple[Tensor, Tensor]:
+    """The reductions' per-token pieces: a_b (r_t - 1) (control variate) and b_{b,t} (baseline), zero at padding."""
+    if t.statistics is None:
+        raise ValueError("this preset needs batch statistics (kl_term computes them); got Terms without statistics")
+    return t.statistics.cv_coef[:, None] * control_variate(t.k1, t.mask), t.statistics.baseline * t.mask
+
+
+def _sequence(t: Terms) -> Tensor:
+    # c_t = sum_{s>=t} w_{1:s} X_s - w_{1:t} (a (r_t - 1) + b_t), X_s = k1_s + a (r_s - 1): the plain weight with the
+    # future control variate and the baseline (reductions.py); same expectation, on- and off-policy.
+    cv, baseline = _future_cv(t)
+    w = t.prefix_weights()
+    return reverse_cumsum(w * (t.k1 + cv)) - w * (cv + baseline)
+
+
+def _reward(t: Terms) -> Tensor:
+    # c_t = rho_t (k1_t + sum_{s>t} X_s - b_t): reward-plain with the same reductions (exact on-policy).
+    cv, baseline = _future_cv(t)
+    return t.token_ratio() * (reverse_cumsum(t.k1 + cv) - cv - baseline)
 
 
 def _reward_sum(t: Terms) -> Tensor:
@@ -117,32 +147,58 @@ def _k3_reward(t: Terms) -> Tensor:
     return reverse_cumsum(k3(t.k1) * t.mask)
 
 
+_SEQUENCE = Preset(
+    name="sequence",
+    summary="Unbiased for the sequence-level reverse KL, on- and off-policy (per-decision importance weights), "
+    "variance-reduced with batch statistics (leave-one-out over the other sequences).",
+    gradient="sum_t grad log pi_t * (sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} a (r_s - 1) - w_{1:t} b_t), "
+    "r = pi_ref/pi, a and b_t leave-one-out over the batch's other rows",
+    importance_weights="per-decision prefix products w_{1:t} (exact; is_clip caps them, which adds bias)",
+    target_on_policy="kl_seq",
+    target_off_policy="kl_seq",
+    unbiased_on_policy=True,
+    unbiased_off_policy=True,
+    legacy=False,
+    theory_row="#10 on-policy, #20 off-policy, + control variate and baseline",
+    coefficients=_sequence,
+    uses_batch_statistics=True,
+)
+_REWARD = Preset(
+    name="reward",
+    summary="k1 (detached) reward-to-go with a control variate on the future terms and a leave-one-out baseline: "
+    "unbiased on-policy; PPO-style ratio off-policy.",
+    gradient="sum_t rho_t grad log pi_t * (k1_t + sum_{s>t} (k1_s + a (r_s - 1)) - b_t)",
+    importance_weights="per-token ratio rho_t (no prefix products: biased off-policy)",
+    target_on_policy="kl_seq",
+    target_off_policy=None,
+    unbiased_on_policy=True,
+    unbiased_off_policy=False,
+    legacy=False,
+    theory_row="#5 on-policy, #21 off-policy, + control variate and baseline",
+    coefficients=_reward,
+    uses_batch_statistics=True,
+)
+
 _ALL = (
-    Preset(
-        name="sequence",
-        summary="Unbiased for the sequence-level reverse KL, on- and off-policy (per-decision importance weights).",
+    _SEQUENCE,
+    _REWARD,
+    replace(
+        _SEQUENCE,
+        name="sequence-plain",
+        summary="`sequence` without its variance reductions (for audits and comparisons): unbiased on- and off-policy.",
         gradient="sum_t grad log pi_t * sum_{s>=t} w_{1:s} k1_s  (reverse pathwise term + detached future-KL return)",
-        importance_weights="per-decision prefix products w_{1:t} (exact; is_clip caps them, which adds bias)",
-        target_on_policy="kl_seq",
-        target_off_policy="kl_seq",
-        unbiased_on_policy=True,
-        unbiased_off_policy=True,
-        legacy=False,
         theory_row="#10 on-policy, #20 off-policy",
-        coefficients=_sequence,
+        coefficients=_sequence_plain,
+        uses_batch_statistics=False,
     ),
-    Preset(
-        name="reward",
-        summary="k1 (detached) as a per-token reward with reward-to-go: unbiased on-policy; PPO-style ratio off-policy.",
+    replace(
+        _REWARD,
+        name="reward-plain",
+        summary="`reward` without its variance reductions: k1 reward-to-go, unbiased on-policy; PPO-style ratio off-policy.",
         gradient="sum_t rho_t grad log pi_t * sum_{s>=t} k1_s",
-        importance_weights="per-token ratio rho_t (no prefix products: biased off-policy)",
-        target_on_policy="kl_seq",
-        target_off_policy=None,
-        unbiased_on_policy=True,
-        unbiased_off_policy=False,
-        legacy=False,
         theory_row="#5 on-policy, #21 off-policy",
-        coefficients=_reward,
+        coefficients=_reward_plain,
+        uses_batch_statistics=False,
     ),
     Preset(
         name="reward-sum",

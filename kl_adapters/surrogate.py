@@ -8,6 +8,12 @@ Conventions for every function here. Inputs are [B, T] tensors over the response
 Arithmetic runs in float32, or float64 if any input is float64, whatever the input dtype. The sequence-level objective
 is KL_seq = KL(pi_theta(.|x) || pi_ref(.|x)) = E_pi[sum_t k1_t]; a batch is averaged over its B sequences with the
 constant divisor B (never a per-sequence length, which would optimize a length-normalized KL instead).
+
+Batch statistics. The reduced presets ("sequence", "reward") use per-row statistics computed from the OTHER rows of
+the batch (`reductions.py`). By default `kl_term` / `kl_surrogate` compute them from the [B, T] batch they are given
+(leave-one-out over its rows, or within `group` when [B] group ids are given). A trainer whose loss sees small
+micro-batches computes them once on the whole rollout batch with `kl_statistics(...)`, slices them with the batch, and
+passes `statistics=` to the loss: more independent samples, the same expected gradient.
 """
 
 from __future__ import annotations
@@ -17,14 +23,20 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ._validate import check_batch, check_beta, check_is_clip
+from ._validate import check_batch, check_beta, check_group, check_is_clip, check_statistics
 from .estimators import k3, reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
+from .reductions import KLStatistics, batch_statistics
 
 
-def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None):
-    """Validate, cast to the working dtype, zero the padding before any nonlinearity; return (masked logp, Terms)."""
-    m = check_batch(logp, ref_logp, mask, old_logp)
+def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None,
+           statistics: KLStatistics | None = None):
+    """Validate, cast to the working dtype, zero the padding before any nonlinearity; return (masked logp, Terms).
+
+    Given statistics are validated in the same host synchronisation and attached to Terms in the working dtype.
+    """
+    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, logp)
+    m = check_batch(logp, ref_logp, mask, old_logp, also_finite=finite)
     check_is_clip(is_clip)
     if is_clip is not None and old_logp is None:
         raise ValueError("is_clip caps importance weights, which only exist off-policy: pass old_logp or drop is_clip")
@@ -34,7 +46,22 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     lp_d = lp.detach()
     k1 = lp_d - torch.where(m, ref_logp.detach().to(dtype), zero)
     log_rho = zero.expand_as(lp) if old_logp is None else lp_d - torch.where(m, old_logp.detach().to(dtype), zero)
-    return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip)
+    stats = None if statistics is None else KLStatistics(statistics.cv_coef.detach().to(dtype),
+                                                          statistics.baseline.detach().to(dtype) * m)
+    return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip, statistics=stats)
+
+
+def _statistics_of(t: Terms, group: Tensor | None) -> KLStatistics:
+    """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it)."""
+    return batch_statistics(t.k1, t.log_rho, t.mask, group)
+
+
+def _is_ess(t: Terms) -> Tensor:
+    """(sum_b W_b)^2 / (B sum_b W_b^2), W_b = w_{1:T_b} the uncapped full-sequence weight: 1 on-policy, -> 1/B as the
+    weights degenerate. Computed relative to the largest W (invariant), so it neither overflows nor divides by 0."""
+    log_w = t.log_rho.sum(-1)
+    w = torch.exp(log_w - log_w.max())
+    return w.sum().square() / (w.numel() * w.square().sum())
 
 
 def _value_per_sequence(t: Terms) -> Tensor:
@@ -54,6 +81,7 @@ class KLTerm:
     terms: Terms  # detached per-token quantities (k1, importance log-ratios, mask, is_clip)
     coefficients: Tensor  # [B, T] the preset's detached per-token gradient weights c, zero at padding
     sequence_kl: Tensor  # [B] sum_t w_{1:t} k3_t per sequence, detached (unbiased for KL_seq when is_clip is None)
+    is_ess: Tensor  # 0-dim effective sample size of the full-sequence importance weights (1.0 on-policy), detached
 
     def surrogate(self, beta: float | Tensor = 1.0) -> Tensor:
         """`kl_surrogate` of this batch: value beta * mean_b sequence_kl_b, gradient beta * (1/B) sum c grad logp."""
@@ -63,9 +91,12 @@ class KLTerm:
     def coefficients_of(self, preset: str | Preset, *, on_policy: bool = False) -> Tensor:
         """Another preset's per-token weights on the same batch, without is_clip (e.g. a framework's native KL, for
         the live bias signal); on_policy=True drops the importance ratios (a native loss that applies none)."""
-        terms = replace(self.terms, is_clip=None,
-                        log_rho=torch.zeros_like(self.terms.log_rho) if on_policy else self.terms.log_rho)
-        return get_preset(preset).coefficients(terms) * terms.mask
+        spec = get_preset(preset)
+        terms = self.terms
+        if spec.uses_batch_statistics and terms.statistics is None:
+            terms = replace(terms, statistics=_statistics_of(terms, None))
+        terms = replace(terms, is_clip=None, log_rho=torch.zeros_like(terms.log_rho) if on_policy else terms.log_rho)
+        return spec.coefficients(terms) * terms.mask
 
 
 def _surrogate(term: KLTerm, beta: float | Tensor) -> Tensor:
@@ -81,13 +112,47 @@ def kl_term(
     preset: str | Preset = "sequence",
     old_logp: Tensor | None = None,
     is_clip: float | None = None,
+    statistics: KLStatistics | None = None,
+    group: Tensor | None = None,
 ) -> KLTerm:
-    """Validate the batch once and compute the preset's weights and the per-sequence KL estimate (see `KLTerm`)."""
+    """Validate the batch once and compute the preset's weights and the per-sequence KL estimate (see `KLTerm`).
+
+    statistics: `kl_statistics` of a larger batch, sliced to these rows (only for presets with uses_batch_statistics);
+    None = compute them from this batch, leave-one-out over its rows (within `group`, [B] integer ids, when given).
+    """
     spec = get_preset(preset)
     if is_clip is not None and not spec.uses_importance_weights:
         raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
-    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
-    return KLTerm(logp=lp, terms=t, coefficients=spec.coefficients(t) * t.mask, sequence_kl=_value_per_sequence(t))
+    if not spec.uses_batch_statistics and (statistics is not None or group is not None):
+        raise ValueError(f"preset {spec.name!r} uses no batch statistics, so statistics/group would be a silent no-op")
+    if statistics is not None and group is not None:
+        raise ValueError("group only selects the rows statistics are computed from: pass statistics or group, not both")
+    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics)
+    if spec.uses_batch_statistics and statistics is None:
+        check_group(group, logp)
+        t = replace(t, statistics=_statistics_of(t, group))
+    return KLTerm(logp=lp, terms=t, coefficients=spec.coefficients(t) * t.mask, sequence_kl=_value_per_sequence(t),
+                  is_ess=_is_ess(t))
+
+
+def kl_statistics(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    old_logp: Tensor | None = None,
+    group: Tensor | None = None,
+) -> KLStatistics:
+    """Leave-one-out statistics (a_b [B], b_{b,t} [B, T]; detached, working dtype) of the reduced presets.
+
+    Compute them once on the largest batch of independent samples at hand (e.g. the whole rollout batch at experience
+    time; `group` = [B] GRPO prompt ids restricts the leave-one-out to each group), store them beside the batch, and
+    pass the rows of each micro-batch as `statistics=` to `kl_term` / `kl_surrogate`. Row b's statistics depend only
+    on the other rows, so the gradient stays exact (tests/core/test_batch_exactness.py). Definitions: reductions.py.
+    """
+    _, t = _terms(logp, ref_logp, mask, old_logp, None)
+    check_group(group, logp)
+    return _statistics_of(t, group)
 
 
 def kl_surrogate(
@@ -99,13 +164,18 @@ def kl_surrogate(
     beta: float | Tensor = 1.0,
     old_logp: Tensor | None = None,
     is_clip: float | None = None,
+    statistics: KLStatistics | None = None,
+    group: Tensor | None = None,
 ) -> Tensor:
     """The KL term to add to a minimized loss: a 0-dim tensor whose gradient is the preset's estimate.
 
     Gradient: beta * (1/B) * sum_b sum_t c_{b,t} * grad logp_{b,t}, with c the preset's detached per-token weight
     (see `kl_adapters.presets`). For preset "sequence" this is an unbiased estimate of beta * grad KL_seq both
-    on-policy and off-policy (c_t = sum_{s>=t} w_{1:s} k1_s); "reward" is unbiased on-policy. Pinned by
-    tests/core/test_exactness.py::test_expected_gradient_matches_documented_target.
+    on-policy and off-policy; "reward" is unbiased on-policy. Both are variance-reduced with statistics from the
+    batch's other rows (or `statistics` from `kl_statistics`, or within `group`; see `kl_term`); "sequence-plain"
+    (c_t = sum_{s>=t} w_{1:s} k1_s) and "reward-plain" are the unreduced forms. Pinned by
+    tests/core/test_exactness.py::test_expected_gradient_matches_documented_target and, for batches of 1-3 sequences,
+    tests/core/test_batch_exactness.py.
 
     Value: beta * (1/B) * sum_b sum_t w_{1:t} k3_t -- an unbiased estimate of beta * KL_seq (importance-weighted by the
     per-decision weights w when old_logp is given, w = 1 on-policy), the same for every preset; presets differ only in
@@ -116,7 +186,9 @@ def kl_surrogate(
     """
     get_preset(preset)  # an unknown name is reported before anything else
     check_beta(beta)
-    return _surrogate(kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip), beta)
+    term = kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
+                   group=group)
+    return _surrogate(term, beta)
 
 
 def kl_coefficients(
@@ -127,15 +199,16 @@ def kl_coefficients(
     preset: str | Preset = "sequence",
     old_logp: Tensor | None = None,
     is_clip: float | None = None,
+    statistics: KLStatistics | None = None,
+    group: Tensor | None = None,
 ) -> Tensor:
     """The preset's detached per-token gradient weights c [B, T]: grad(per-sequence term) = sum_t c_t grad logp_t.
 
     Zero at padding. Comparing the weights of two presets on the same batch measures how far one's gradient is from
-    the other's, token by token (the live bias signal adapters log).
+    the other's, token by token (the live bias signal adapters log). statistics / group: as in `kl_term`.
     """
-    spec = get_preset(preset)
-    _, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
-    return spec.coefficients(t) * t.mask
+    return kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
+                   group=group).coefficients
 
 
 def kl_reward(
@@ -198,7 +271,11 @@ def per_sequence_beta(
     """
     batch = mask.shape[0]
     if aggregation == "token-mean":
-        tokens = (mask != 0).sum() if num_tokens is None else num_tokens
+        # an integer tensor count would make beta * B / count a float32 tensor (2e-9 off in float64 work): count as a
+        # Python int, and widen an integer num_tokens tensor to float64
+        tokens = int((mask != 0).sum()) if num_tokens is None else num_tokens
+        if isinstance(tokens, Tensor) and not tokens.is_floating_point():
+            tokens = tokens.to(torch.float64)
         return beta * batch / tokens
     if aggregation == "seq-mean-token-sum":
         return beta

@@ -123,7 +123,7 @@ def _literal_losses(lp, ref, old):
         "k3-loss": (u - 1 - torch.log(u)).sum(-1),
         "token": (rho * (u - 1 - torch.log(u))).sum(-1),  # TRL use_bias_correction_kl: k3 * pi/pi_old, rho attached
         "k3-reward": (lp * rcum((u - 1 - torch.log(u)).detach())).sum(-1),
-        "reward": (rho * rcum(k1.detach())).sum(-1),  # PPO surrogate rho_t * A_t with A_t = sum_{s>=t} k1_s
+        "reward-plain": (rho * rcum(k1.detach())).sum(-1),  # PPO surrogate rho_t * A_t with A_t = sum_{s>=t} k1_s
         "reward-sum": (rho * k1.detach().sum(-1, keepdim=True)).sum(-1),
     }
 
@@ -138,7 +138,10 @@ def _enumerated(seed):
     return theta, lp, ref, old, pol.space.mask
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "sequence"])
+LITERAL = ["k1-loss", "k2-loss", "k3-loss", "token", "k3-reward", "reward-plain", "reward-sum"]
+
+
+@pytest.mark.parametrize("name", LITERAL)
 def test_per_sample_gradient_equals_literal_framework_loss(name):
     theta, lp, ref, old, m = _enumerated(7)
     zero = torch.zeros((), dtype=lp.dtype)
@@ -152,8 +155,12 @@ def test_per_sample_gradient_equals_literal_framework_loss(name):
         assert torch.allclose(g_ours, g_lit, rtol=1e-10, atol=1e-12), (name, i)
 
 
+def test_literal_losses_cover_every_plain_preset():
+    assert set(LITERAL) | {"sequence-plain"} == {n for n, p in PRESETS.items() if not p.uses_batch_statistics}
+
+
 def test_sequence_off_policy_equals_theory_form():
-    """sequence == sg(w_{1:t-1}) rho_t k3_t + log pi_t sg(sum_{s>t} w_{1:s} k1_s), sample by sample."""
+    """sequence-plain == sg(w_{1:t-1}) rho_t k3_t + log pi_t sg(sum_{s>t} w_{1:s} k1_s), sample by sample."""
     theta, lp, ref, old, m = _enumerated(8)
     log_rho = (lp.detach() - old) * m
     w = torch.exp(log_rho.cumsum(-1))
@@ -164,7 +171,7 @@ def test_sequence_off_policy_equals_theory_form():
     lit = ((w_prev * rho * k3(lp - ref) + lp * future) * m).sum(-1)
     for i in [0, 9, 33, 100]:
         g_lit = torch.autograd.grad(lit[i], theta, retain_graph=True)[0]
-        ours = kl_surrogate(lp[i:i + 1], ref[i:i + 1], m[i:i + 1], preset="sequence", old_logp=old[i:i + 1])
+        ours = kl_surrogate(lp[i:i + 1], ref[i:i + 1], m[i:i + 1], preset="sequence-plain", old_logp=old[i:i + 1])
         g_ours = torch.autograd.grad(ours, theta, retain_graph=True)[0]
         assert torch.allclose(g_ours, g_lit, rtol=1e-10, atol=1e-12)
 

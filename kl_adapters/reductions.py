@@ -1,0 +1,120 @@
+"""Variance reductions that the `sequence` and `reward` presets compose, each with its unbiasedness argument.
+
+Notation per sequence (presets.py): k1_t = log pi/pi_ref, r_t = pi_ref/pi = exp(-k1_t) at the sampled token,
+rho_t = pi/mu, w_{1:t} = prod_{s<=t} rho_s (1 on-policy), g_t = grad log pi(y_t | y_<t). The plain estimator's
+per-token weight is c_t = sum_{s>=t} w_{1:s} k1_s.
+
+Two reductions, both exact in expectation (pinned by tests/core/test_batch_exactness.py, every ordered batch of
+G = 1, 2, 3 sequences enumerated, on- and off-policy):
+
+1. Future control variate (`control_variate`). For s > t replace k1_s by X_s = k1_s + a (r_s - 1). Given y_<s,
+   g_t and w_{1:s-1} are fixed and E_mu[rho_s (r_s - 1) | y_<s] = E_pi[r_s - 1 | y_<s] = sum_v pi_ref(v) - 1 = 0, so
+   E_mu[g_t w_{1:s} (r_s - 1)] = 0 for any coefficient a that does not depend on the sequence's own tokens
+   (a = 1 turns k1_s into k3_s). At s = t the weight stays k1_t: E[g_t k3_t] is not the reverse-KL gradient.
+2. Baseline (`leave_one_out_baseline`). Subtracting w_{1:t} b_t is exact for any b_t that does not depend on y_t
+   given y_<t: E_mu[w_{1:t} g_t b_t | y_<t] = w_{1:t-1} b_t E_pi[g_t | y_<t] = 0.
+
+Where a and b come from (`batch_statistics`): leave-one-out over the OTHER sequences of the batch (or of the same
+group), which are independent of the sequence they are used for. Per row b:
+    a_b = clamp(-sum_{b'!=b, t} k1 (r - 1) / sum_{b'!=b, t} (r - 1)^2, 0, 1)      (regression of k1 on r - 1)
+    b_{b,t} = LOO-mean over the other rows alive at t of P_{b',t} + a_b Q_{b',t}    (0 if none is alive at t)
+with P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1), i.e. the other rows' return
+from t given they reached t, computed with row b's OWN coefficient a_b (a_{b'} depends on row b's tokens, so using
+it would make b's baseline depend on b). A row with no other tokens to fit on (B = 1, or alone in its group) gets
+the single-sample form a_b = SINGLE_SAMPLE_CV_COEF, b = 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .estimators import reverse_cumsum
+
+#: control-variate coefficient of a row that has no other sequence to fit it on (B = 1 or a group of one).
+SINGLE_SAMPLE_CV_COEF = 0.0
+
+
+@dataclass(frozen=True)
+class KLStatistics:
+    """Per-row statistics of the reduced presets, each computed from the OTHER rows only (detached).
+
+    cv_coef   [B]    a_b, the control-variate coefficient of the future terms of row b
+    baseline  [B, T] b_{b,t}, the baseline subtracted (times w_{1:t}) from row b's return at position t
+    Slice both along the batch dimension together with the batch they belong to (e.g. into micro-batches).
+    """
+
+    cv_coef: Tensor
+    baseline: Tensor
+
+    def __getitem__(self, rows) -> KLStatistics:
+        """The statistics of a subset of rows (a slice, index tensor or bool mask over the batch dimension)."""
+        return KLStatistics(cv_coef=self.cv_coef[rows], baseline=self.baseline[rows])
+
+
+def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
+    """r_t - 1 = pi_ref/pi - 1 = expm1(-k1_t) at real tokens, 0 at padding: zero mean under pi given the prefix."""
+    return torch.expm1(-k1) * mask
+
+
+def dense_group_ids(group: Tensor | None, batch: int, device: torch.device) -> Tensor:
+    """Map arbitrary integer group ids [B] to 0..n_groups-1 without a host synchronisation (all zeros if None)."""
+    if group is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    ids, order = torch.sort(group, stable=True)
+    new = torch.ones_like(ids, dtype=torch.long)
+    new[1:] = (ids[1:] != ids[:-1]).long()
+    dense = torch.empty_like(new)
+    dense[order] = new.cumsum(0) - 1
+    return dense
+
+
+def _others_sum(x: Tensor, dense: Tensor) -> Tensor:
+    """sum over the other rows of the same group: group sum minus the row's own value (x is [B] or [B, T])."""
+    totals = torch.zeros_like(x).index_add_(0, dense, x)
+    return totals[dense] - x
+
+
+def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, dense: Tensor) -> Tensor:
+    """a_b = clamp(-sum_{others} k1 cv / sum_{others} cv^2, 0, 1); SINGLE_SAMPLE_CV_COEF where others have no token.
+
+    -k1 (r - 1) >= 0 always (k1 and r - 1 have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
+    (r - 1 = -k1 + O(k1^2)). An overflowed r (inf / inf) gives a = 0, the plain k1 return.
+    """
+    num = _others_sum(-(k1 * cv * mask).sum(-1), dense)
+    den = _others_sum((cv.square() * mask).sum(-1), dense)
+    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0)
+    has_others = _others_sum(mask.sum(-1), dense) > 0
+    return torch.where(has_others, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
+
+
+def conditional_returns(k1: Tensor, cv: Tensor, log_rho: Tensor) -> tuple[Tensor, Tensor]:
+    """P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1): a row's return from t given it
+    reached t (w_{t+1:s} = w_{1:s} / w_{1:t}, computed relative to the row's largest prefix weight; where that ratio
+    underflows, P_t = k1_t and Q_t = 0)."""
+    log_w = log_rho.cumsum(-1)
+    rel = torch.exp(log_w - log_w.max(-1, keepdim=True).values)
+    ok = rel > 0
+    safe = torch.where(ok, rel, torch.ones_like(rel))
+    p = torch.where(ok, reverse_cumsum(rel * k1) / safe, k1)
+    q = torch.where(ok, reverse_cumsum(rel * cv) / safe - cv, torch.zeros_like(cv))
+    return p, q
+
+
+def leave_one_out_baseline(p: Tensor, q: Tensor, mask: Tensor, cv_coef: Tensor, dense: Tensor) -> Tensor:
+    """b_{b,t} = (sum_{b' alive at t} P_{b',t} + a_b Q_{b',t}) / #{b' != b alive at t} over the other rows of b's
+    group; 0 where no other row is alive at t. Exact as a baseline: it is a function of the other rows and a_b only."""
+    count = _others_sum(mask, dense)
+    total = _others_sum(p * mask, dense) + cv_coef[:, None] * _others_sum(q * mask, dense)
+    return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
+
+
+def batch_statistics(k1: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None) -> KLStatistics:
+    """Leave-one-out a_b and b_{b,t} of every row from detached [B, T] terms (zero at padding, float mask)."""
+    dense = dense_group_ids(group, k1.shape[0], k1.device)
+    cv = control_variate(k1, mask)
+    cv_coef = loo_cv_coef(k1, cv, mask, dense)
+    p, q = conditional_returns(k1, cv, log_rho)
+    return KLStatistics(cv_coef=cv_coef, baseline=leave_one_out_baseline(p, q, mask, cv_coef, dense))

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import activation
+from .. import activation, native
 from ..activation import Settings
 from ..surrogate import KLTerm, kl_reward, kl_term, sequence_kl
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
@@ -75,8 +75,6 @@ GRAD_WEIGHT_GAP = "kl_adapters/grad_weight_gap"
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
 _EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker"
 _CONFIG = "openrlhf.utils.config"
-#: OpenRLHF's --algo.kl.estimator differentiated as its KL loss, as the preset with the same gradient
-_NATIVE_LOSS_PRESET = {"k1": "k1-loss", "k2": "k2-loss", "k3": "k3-loss"}
 
 
 class PresetFlag(str):
@@ -223,8 +221,8 @@ def _loss_term(step: _LossStep, kl: KLTerm) -> Tensor:
 def _log_loss_metrics(step: _LossStep, kl: KLTerm, estimator: str) -> None:
     info = step.experience.info
     info[SEQ_KL] = kl.sequence_kl
-    native = kl.coefficients_of(_NATIVE_LOSS_PRESET[estimator])
-    gap, size = (native - kl.coefficients).abs().sum(), kl.coefficients.abs().sum()  # both zero at padding
+    native_weight = kl.coefficients_of(native.openrlhf_loss(estimator).preset)
+    gap, size = (native_weight - kl.coefficients).abs().sum(), kl.coefficients.abs().sum()  # both zero at padding
     info[GRAD_WEIGHT_GAP] = torch.where(size > 0, gap / size.clamp(min=torch.finfo(size.dtype).tiny), 0.0)  # 0-dim
 
 

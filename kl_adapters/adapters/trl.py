@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 from trl import GRPOConfig  # not a trigger module: importing it patches nothing (see adapters/__init__.py)
 
-from .. import activation
+from .. import activation, native
 from ..activation import Settings
 from .._validate import check_is_clip
 from ..surrogate import KLTerm, kl_term
@@ -163,8 +163,9 @@ def behaviour_logps(inputs: dict, logp: torch.Tensor) -> torch.Tensor | None:
 
 
 def _native_preset(trainer: GRPOTrainer) -> str:
-    """The preset whose per-token gradient TRL's own KL term has (token-level importance sampling)."""
-    return "token" if trainer.args.use_bias_correction_kl else "k3-loss"
+    """The preset whose per-token gradient TRL's own KL term has, at token-level importance sampling
+    (`native.trl_grpo_loss`; at sequence level the native gradient has an extra term no preset has)."""
+    return native.trl_grpo_loss(trainer.args.use_bias_correction_kl).preset
 
 
 def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> None:

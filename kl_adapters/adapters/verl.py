@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .. import activation
+from .. import activation, native
 from ..activation import ENV_VAR, Settings, parse
 from ..presets import get_preset
 from ..surrogate import kl_reward, kl_term, sequence_kl
@@ -80,9 +80,6 @@ PREFIX = "kl_adapters:"
 _ORIGINAL = "__kl_adapters_original__"
 #: DataProto.meta_info key: the KL beta handed from apply_kl_penalty to the advantage step
 _REWARD_BETA = "kl_adapters/reward_beta"
-#: preset with the same per-token gradient as verl's own estimator (a trailing "+" means k2's gradient)
-_NATIVE = {"kl": "k1-loss", "k1": "k1-loss", "mse": "k2-loss", "k2": "k2-loss",
-           "low_var_kl": "k3-loss", "k3": "k3-loss"}
 
 _FULL = ("verl's kl estimator 'full' (analytic KL) raises NotImplementedError in verl 0.9.1, and kl-adapters does not "
          "offer it (ppo_loss never receives the full-vocabulary logits). Use kl_adapters:sequence, the exact "
@@ -198,8 +195,8 @@ _local = threading.local()  # .captured: _Captured | None, .metrics: dict | None
 
 
 def _native_preset(kl_loss_type: str) -> str | None:
-    name = "low_var_kl" if kl_loss_type.startswith(PREFIX) else kl_loss_type
-    return "k2-loss" if name.endswith("+") else _NATIVE.get(name)
+    """The preset with the gradient of verl's own estimator (`native.verl_loss`; low_var_kl for kl_adapters: names)."""
+    return native.verl_loss("low_var_kl" if kl_loss_type.startswith(PREFIX) else kl_loss_type).preset
 
 
 def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:

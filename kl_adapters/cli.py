@@ -41,6 +41,33 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """Exit 0: the configuration's KL gradient is unbiased (or there is no KL); 1: biased or a no-op; 2: unreadable."""
+    from .doctor import DoctorError, diagnose, format_report
+
+    rest = list(args.args)
+    as_json = "--json" in rest
+    rest = [a for a in rest if a != "--json"]
+    options = {}
+    if "--trainer" in rest:
+        i = rest.index("--trainer")
+        options["trainer"] = rest[i + 1] if i + 1 < len(rest) else ""
+        del rest[i:i + 2]
+    try:
+        if options and args.framework != "trl":
+            raise DoctorError("--trainer (grpo or rloo) applies to trl only")
+        report = diagnose(args.framework, rest, **options)
+    except DoctorError as err:
+        print(f"kl-adapters doctor: cannot read this {args.framework} configuration: {err}", file=sys.stderr)
+        return 2
+    if as_json or args.json:
+        json.dump(report.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_report(report, colour=sys.stdout.isatty()))
+    return report.exit_code
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo.run import main
 
@@ -67,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the presets and what gradient each produces")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_presets)
+    doc = sub.add_parser(
+        "doctor", help="read a TRL / verl / OpenRLHF configuration and report what its KL gradient optimizes",
+        description="kl-adapters doctor trl [--trainer grpo|rloo] ARGS|config.yaml|script.py ; doctor verl "
+                    "OVERRIDES|launch.sh ; doctor openrlhf ARGS|launch.sh  (--json anywhere). Exit 0: unbiased or "
+                    "no KL; 1: biased or a no-op; 2: the configuration cannot be read.")
+    doc.add_argument("--json", action="store_true", help="machine-readable report (schema: kl_adapters.doctor.SCHEMA)")
+    doc.add_argument("framework", choices=("trl", "verl", "openrlhf"))
+    doc.add_argument("args", nargs=argparse.REMAINDER, help="the framework's arguments, a config file or a script")
+    doc.set_defaults(func=_doctor)
     return parser
 
 

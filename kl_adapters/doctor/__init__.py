@@ -1,0 +1,27 @@
+"""``kl-adapters doctor``: read a TRL / verl / OpenRLHF configuration the way the framework does and report what its
+KL gradient optimizes, its hazards and the one-line fix (issue 14). One reader per framework (`trl`, `verl`,
+`openrlhf`), the verdict and output in `report`, launch-script parsing in `shell`; which native setting equals which
+preset lives in `kl_adapters.native`, shared with the adapters."""
+
+from __future__ import annotations
+
+import importlib
+
+from .report import SCHEMA, DoctorError, Report, format_report
+
+FRAMEWORKS = ("trl", "verl", "openrlhf")
+
+__all__ = ["FRAMEWORKS", "SCHEMA", "DoctorError", "Report", "diagnose", "format_report"]
+
+
+def diagnose(framework: str, argv: list[str], **options) -> Report:
+    """The doctor's report on `argv` (the framework's arguments, a config file or a launch script; see each reader).
+
+    Raises DoctorError when the configuration cannot be read (the CLI's exit code 2)."""
+    if framework not in FRAMEWORKS:
+        raise DoctorError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    reader = importlib.import_module(f".{framework}", __name__)
+    try:
+        return reader.read(list(argv), **options)
+    except ImportError as err:  # the framework is installed but a module its parser needs is not
+        raise DoctorError(f"{framework}'s configuration code could not be imported: {err}") from None

@@ -1,0 +1,208 @@
+"""The doctor's OpenRLHF reader: ``train_ppo_ray`` arguments parsed and validated by OpenRLHF's own code, or a launch
+script running ``openrlhf.cli.train_ppo_ray`` (its arguments extracted by `shell.find_commands`).
+
+OpenRLHF builds its parser inside ``if __name__ == "__main__":`` of openrlhf/cli/train_ppo_ray.py, after importing
+Ray, vLLM and flash-attn. The reader runs that block of the installed file (its parser, ``hierarchize`` and the
+argument validation that follows) with only the file's standard-library imports, and stops before ``train(args)``:
+no Ray, GPU or model. kl-adapters' ``--algo.kl.preset`` (the openrlhf_cli wrapper's flag) and KL_ADAPTERS (the
+script's environment) are read as the adapter reads them; its refusals (`kl_adapters.adapters.openrlhf.check_args`)
+are reported as hazards.
+
+KL paths (`kl_adapters.native`): the loss (``--algo.kl.use_loss``: compute_approx_kl differentiated, global token
+mean, times init_coef) or the reward (default: -init_coef * k_t per token, returns with gamma, or GAE).
+Pinned by tests/openrlhf/test_doctor.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib.util
+import io
+import os
+import sys
+from pathlib import Path
+
+from .. import native
+from ..activation import ENV_VAR
+from .report import OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, settings_or_error
+from .shell import launch_arguments
+
+MODULES = ("openrlhf.cli.train_ppo_ray", "kl_adapters.adapters.openrlhf_cli")
+FLAG = "--algo.kl.preset"
+
+BETA_LOSS = ("--algo.kl.init_coef then weighs the sequence KL per sequence (kl_surrogate(..., beta=init_coef) over "
+             "the optimizer step's sequences), about the mean response length times stronger than OpenRLHF's "
+             "token-mean KL loss: divide a tuned value by the mean response length to keep its strength")
+BETA_REWARD = ("--algo.kl.init_coef keeps its OpenRLHF meaning (per-token KL reward coefficient, k1 unclamped by "
+               "the adapter)")
+
+
+def read(argv: list[str], env: dict[str, str] | None = None) -> Report:
+    """Report on train_ppo_ray arguments, or on a launch script when argv is one ``.sh`` path (its variables resolved
+    from `env`, default this process's environment)."""
+    version = installed_version("openrlhf")
+    command = launch_arguments(argv, MODULES, os.environ if env is None else env)
+    preset_flag, args_in = _strip_flag(command.args)
+    report = Report("openrlhf", version, " ".join(argv) or "(OpenRLHF defaults)", unresolved=command.unresolved)
+    report.check_version()
+    args, printed = parse(args_in)
+    report.notes += [f"OpenRLHF: {line}" for line in printed]
+    flag = preset_flag if preset_flag is not None else command.variables.get(ENV_VAR)
+    _analyse(report, args, settings_or_error(flag, FLAG if preset_flag is not None else ENV_VAR))
+    return report
+
+
+def _strip_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(FLAG, dest="preset")
+    known, rest = parser.parse_known_args(argv)
+    return known.preset, rest
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """OpenRLHF's own parsing and validation of train_ppo_ray arguments (see the module docstring): (args, the lines
+    it printed). DoctorError on an argparse error or a failed assertion."""
+    spec = importlib.util.find_spec("openrlhf.cli.train_ppo_ray")
+    path = Path(spec.origin)
+    tree = ast.parse(path.read_text(), str(path))
+    main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    if len(main) != 1:
+        raise DoctorError(f"{path} has no `if __name__ == '__main__':` block to read its parser from")
+    body = [s for s in main[0].body if not _starts_training(s)]
+    stdlib = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and _stdlib(n)]
+    code = compile(ast.Module(body=stdlib + body, type_ignores=[]), str(path), "exec")
+    namespace = {"__name__": "kl_adapters_doctor", "__file__": str(path)}
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.argv
+    sys.argv = ["train_ppo_ray", *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            exec(code, namespace)
+    except SystemExit:
+        message = err.getvalue().strip().splitlines()
+        raise DoctorError(f"OpenRLHF's parser refused the arguments: {message[-1] if message else 'exit'}") from None
+    except Exception as failed:  # its validation: assertions, and attribute errors on missing arguments
+        raise DoctorError(f"OpenRLHF's argument validation failed: {type(failed).__name__}: {failed}") from None
+    finally:
+        sys.argv = saved
+    return namespace["args"], [line for line in out.getvalue().splitlines() if line.strip()]
+
+
+def _starts_training(statement: ast.stmt) -> bool:
+    """train(args), and the ModelScope hub patch (network), are what follows the validation."""
+    text = ast.unparse(statement)
+    return text.startswith("train(") or "patch_hub" in text
+
+
+def _stdlib(node: ast.Import | ast.ImportFrom) -> bool:
+    names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+    return all(n and n.split(".")[0] in sys.stdlib_module_names for n in names)
+
+
+def _regimes(report: Report, args) -> None:
+    samples = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    reasons = []
+    if args.train.max_epochs > 1:
+        reasons.append(f"--train.max_epochs {args.train.max_epochs}")
+    if args.train.batch_size < samples:
+        reasons.append(f"--train.batch_size {args.train.batch_size} < {samples} samples per rollout")
+    if getattr(args.train, "async_enable", False):
+        reasons.append("--train.async_enable (rollouts from an older policy)")
+    if reasons:
+        report.regimes = (ON, OFF)
+        report.off_policy_reason = ", ".join(reasons) + ": later optimizer steps use a stale rollout"
+
+
+def _adapter_refusal(args, settings) -> str | None:
+    from ..adapters import openrlhf as adapter
+    from ..adapters._guard import UnsupportedFrameworkError
+
+    try:
+        adapter.check_args(args, settings)
+    except (ValueError, UnsupportedFrameworkError) as err:
+        return str(err)
+    return None
+
+
+def _analyse(report: Report, args, settings) -> None:
+    kl, adv = args.algo.kl, args.algo.advantage
+    _regimes(report, args)
+    coef = float(kl.init_coef)
+    if settings is not None:
+        refusal = _adapter_refusal(args, settings)
+        if refusal:
+            severity = "no-op" if "no-op" in refusal else "bias"
+            report.add("refused", severity, f"kl-adapters refuses this configuration before Ray starts: {refusal}")
+    if kl.target is not None:
+        report.add("adaptive-controller", "warning", f"--algo.kl.target {kl.target:g}: the adaptive controller "
+                   "compares the target with a per-token mean KL, not KL_seq, so beta drifts with response length")
+    if kl.use_loss:
+        _loss_path(report, args, coef, settings)
+    elif coef > 0:
+        _reward_path(report, args, coef, settings)
+    if report.verdict in ("biased", "no-op"):
+        report.fix = _fix(report, args)
+
+
+def _loss_path(report: Report, args, coef: float, settings) -> None:
+    kl = args.algo.kl
+    setting = (f"--algo.kl.use_loss, estimator {kl.estimator}, unbiased_gradient={kl.unbiased_gradient}, "
+               f"init_coef {coef:g}")
+    if coef <= 0:
+        report.add("zero-coefficient", "no-op", "--algo.kl.use_loss with --algo.kl.init_coef 0: OpenRLHF computes no "
+                   "KL and builds no reference model")
+    if settings is not None:
+        report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
+                                                                         "openrlhf")))
+        return
+    report.paths.append(KLPath("loss", setting, coef, native.openrlhf_loss(kl.estimator, kl.unbiased_gradient)))
+    report.add("clamp", "warning", f"OpenRLHF clamps the estimator's value to +-{native.OPENRLHF_VALUE_CLAMP:g}: zero "
+               "gradient on tokens beyond it" + (f"; unbiased_gradient caps its weight pi/pi_old at "
+                                                 f"{native.OPENRLHF_IS_WEIGHT_CLIP:g}" if kl.unbiased_gradient else ""))
+    report.add("token-mean", "warning", "the KL loss is a global token mean: beta is per token and its weight per "
+               "sequence changes with the batch's total length")
+
+
+def _reward_path(report: Report, args, coef: float, settings) -> None:
+    kl, adv = args.algo.kl, args.algo.advantage
+    setting = f"estimator {kl.estimator} in the reward, init_coef {coef:g}, advantage {adv.estimator}"
+    if settings is not None:
+        report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
+                                                                           "openrlhf")))
+        return
+    kl_native = native.openrlhf_reward(kl.estimator)
+    report.paths.append(KLPath("reward", setting, coef, kl_native))
+    if kl_native.preset is None:
+        report.add("unsupported-estimator", "bias", kl_native.reason)
+    report.add("clamp", "warning", f"OpenRLHF clamps the KL reward's k to +-{native.OPENRLHF_VALUE_CLAMP:g}: tokens "
+               "beyond it are under-penalized")
+    if adv.estimator == "reinforce" and adv.gamma != 1:
+        report.add("discounted", "bias", f"--algo.advantage.gamma {adv.gamma:g}: a discounted KL reward-to-go is not "
+                   "the gradient of the sequence KL")
+    if adv.estimator == "gae" and (adv.gamma != 1 or adv.lambd != 1):
+        report.add("gae-lambda", "bias", f"GAE with gamma {adv.gamma:g}, lambd {adv.lambd:g}: the KL return is "
+                   "discounted or bootstrapped from the critic; exact only at gamma = lambd = 1")
+    if adv.estimator in ("gae", "reinforce", "reinforce_baseline") and not adv.no_std_norm:
+        report.add("std-normalized-reward", "warning", "advantages (KL included) are whitened over the batch: beta "
+                   "is divided by the batch's advantage std (direction kept, strength varies per batch)")
+    if args.actor.loss_agg_mode == "seq-mean-token-mean" or args.actor.policy_loss_type == "gspo":
+        report.add("length-normalized", "bias", "seq-mean-token-mean (forced by gspo) divides each sequence's KL "
+                   "return by its length in the policy loss: a length-normalized KL")
+
+
+def _fix(report: Report, args) -> Fix:
+    """On-policy reward path: preset reward there (k1, gamma 1, token-mean ppo); otherwise the loss with `sequence`."""
+    kl = args.algo.kl
+    coef = [] if kl.init_coef > 0 else ["--algo.kl.init_coef 0.001"]
+    if not kl.use_loss and report.regimes == (ON,):
+        lines = ["python -m kl_adapters.adapters.openrlhf_cli <your train_ppo_ray arguments> --algo.kl.preset reward",
+                 *coef]
+        lines += [] if kl.estimator == "k1" else ["--algo.kl.estimator k1"]
+        lines += [] if args.actor.loss_agg_mode == "token-mean" else ["--actor.loss_agg_mode token-mean"]
+        return Fix("reward", tuple(lines), BETA_REWARD)
+    lines = ["python -m kl_adapters.adapters.openrlhf_cli <your train_ppo_ray arguments> --algo.kl.preset sequence",
+             "--algo.kl.use_loss", *coef]
+    lines += ["(drop --algo.kl.unbiased_gradient)"] if kl.unbiased_gradient else []
+    return Fix("sequence", tuple(lines), BETA_LOSS)

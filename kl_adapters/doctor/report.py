@@ -1,0 +1,264 @@
+"""The doctor's report: KL paths, hazards, verdict, fix, audit numbers; the table for people and the JSON document.
+
+Verdict (and exit code of ``kl-adapters doctor``):
+    no-op      a KL is switched on but contributes nothing (zero coefficient, a flag whose path is off)   exit 1
+    biased     some KL path's expected gradient is not beta * grad KL_seq in a regime the configuration
+               implies (its preset is not unbiased there, or no preset has it), or a hazard biases it  exit 1
+    unbiased   every KL path is unbiased in every implied regime and no hazard biases it              exit 0
+    no-kl      the configuration has no KL term at all (nothing to be biased)                          exit 0
+A configuration that cannot be read raises `DoctorError` (exit 2).
+
+Bias and cosine come from the exact audit (`kl_adapters.audit.audit`, `AUDIT_PROBLEM`): the preset's exact expected
+gradient against grad KL_seq on a random tabular problem, on-policy and, when the configuration reuses a rollout for
+several optimizer steps, off-policy. They measure the estimator, not the user's model: how far its gradient points
+from the sequence-KL gradient on a small problem where that is computable exactly.
+
+JSON document (``--json``; `SCHEMA` is its JSON Schema, tests/core/test_doctor.py::test_json_schema):
+    {"schema": 1, "framework", "version", "tested": bool, "source", "verdict", "exit_code",
+     "regimes": ["on-policy"(, "off-policy")], "off_policy_reason": str|null,
+     "paths": [{"path": "loss"|"reward", "setting", "beta": float|null, "preset": str|null, "why", "source",
+                "unbiased": bool, "audit": {"on-policy": {"relative_bias", "cosine"}, ...}|null}],
+     "hazards": [{"code", "severity": "no-op"|"bias"|"warning", "message"}],
+     "fix": {"preset", "lines": [str], "beta"}|null, "audit_problem", "unresolved": [str], "notes": [str]}
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..adapters.versions import TESTED, supported_range
+from ..native import NativeKL
+from ..presets import get_preset
+
+ON, OFF = "on-policy", "off-policy"
+AUDIT_ARGS = (4, 4, 0)
+AUDIT_PROBLEM = ("kl_adapters.audit.audit(4, 4, 0): vocabulary 4 incl. EOS, horizon 4 (121 sequences), seed 0, "
+                 "pi_ref logits ~ N(0,1), pi = pi_ref + N(0,1), off-policy sampler mu = pi + N(0, 0.5^2), beta = 1")
+SEVERITIES = ("no-op", "bias", "warning")
+EXIT_CODES = {"unbiased": 0, "no-kl": 0, "biased": 1, "no-op": 1}
+
+
+class DoctorError(Exception):
+    """The configuration cannot be read (exit code 2): missing framework, unparsable file, unresolved KL setting."""
+
+
+@dataclass(frozen=True)
+class Hazard:
+    code: str
+    severity: str  # one of SEVERITIES
+    message: str
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+
+@dataclass(frozen=True)
+class KLPath:
+    """One KL term of the configuration (in the loss or in the reward) and the preset with its gradient."""
+
+    path: str  # "loss" | "reward"
+    setting: str  # the native configuration, as the user wrote it
+    beta: float | None
+    native: NativeKL  # preset (None: no preset has this gradient), why, framework source
+
+
+@dataclass(frozen=True)
+class Fix:
+    preset: str
+    lines: tuple[str, ...]  # the flag / override lines of kl-adapters (and the settings they need)
+    beta: str  # what beta means after the fix
+
+
+@dataclass
+class Report:
+    framework: str
+    version: str
+    source: str
+    regimes: tuple[str, ...] = (ON,)
+    off_policy_reason: str | None = None
+    paths: list[KLPath] = field(default_factory=list)
+    hazards: list[Hazard] = field(default_factory=list)
+    fix: Fix | None = None
+    unresolved: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tested(self) -> bool:
+        return self.version in TESTED[self.framework]
+
+    def add(self, code: str, severity: str, message: str) -> None:
+        self.hazards.append(Hazard(code, severity, message))
+
+    def unbiased(self, path: KLPath) -> bool:
+        """Whether the path's preset is unbiased for grad KL_seq in every regime the configuration implies."""
+        if path.native.preset is None:
+            return False
+        spec = get_preset(path.native.preset)
+        return all(spec.unbiased_on_policy if r == ON else spec.unbiased_off_policy for r in self.regimes)
+
+    @property
+    def verdict(self) -> str:
+        severities = {h.severity for h in self.hazards}
+        if "no-op" in severities:
+            return "no-op"
+        if not self.paths:
+            return "no-kl"
+        if "bias" in severities or not all(self.unbiased(p) for p in self.paths):
+            return "biased"
+        return "unbiased"
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+    def check_version(self) -> None:
+        """Add the untested-version hazard when the installed release is not one kl-adapters is tested with."""
+        if not self.tested:
+            self.add("untested-version", "warning",
+                     f"{self.framework} {self.version} is not a release kl-adapters is tested with "
+                     f"({supported_range(self.framework)}): the mappings and source lines are those releases'")
+
+    def as_dict(self) -> dict:
+        return {
+            "schema": 1, "framework": self.framework, "version": self.version, "tested": self.tested,
+            "source": self.source, "verdict": self.verdict, "exit_code": self.exit_code,
+            "regimes": list(self.regimes), "off_policy_reason": self.off_policy_reason,
+            "paths": [{"path": p.path, "setting": p.setting, "beta": p.beta, "preset": p.native.preset,
+                       "why": p.native.reason, "source": p.native.source, "unbiased": self.unbiased(p),
+                       "audit": None if p.native.preset is None else
+                       {r: audit_numbers(p.native.preset)[r] for r in self.regimes}} for p in self.paths],
+            "hazards": [asdict(h) for h in self.hazards],
+            "fix": None if self.fix is None else {"preset": self.fix.preset, "lines": list(self.fix.lines),
+                                                  "beta": self.fix.beta},
+            "audit_problem": AUDIT_PROBLEM, "unresolved": list(self.unresolved), "notes": list(self.notes),
+        }
+
+
+def installed_version(distribution: str) -> str:
+    """The installed release of a framework; DoctorError (exit 2) when it is not installed in this Python."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise DoctorError(f"{distribution} is not installed in this Python: run the doctor where it is installed "
+                          f"(pip install {distribution}, or .venvs/{distribution} in this repository)") from None
+
+
+@functools.lru_cache(maxsize=None)
+def audit_numbers(preset: str) -> dict[str, dict[str, float | None]]:
+    """{regime: {"relative_bias", "cosine"}} of `preset` in the exact audit `AUDIT_PROBLEM` (cached per process;
+    cosine None where the expected gradient is zero)."""
+    from ..audit import audit
+
+    rows = audit(*AUDIT_ARGS, presets=(preset,), is_clip=None)
+    return {r.regime: {"relative_bias": round(r.relative_bias, 4),
+                       "cosine": None if math.isnan(r.cosine) else round(r.cosine, 4)} for r in rows}
+
+
+_COLOURS = {"unbiased": "32", "no-kl": "32", "biased": "31", "no-op": "31", "no-op:": "31", "bias:": "31",
+            "warning:": "33"}
+
+
+def format_report(report: Report, *, colour: bool = False) -> str:
+    """A short table for people; `colour` adds ANSI colours (the CLI sets it only when stdout is a terminal)."""
+
+    def paint(text: str, key: str) -> str:
+        return f"\033[{_COLOURS[key]}m{text}\033[0m" if colour and key in _COLOURS else text
+
+    doc = report.as_dict()
+    tested = "tested" if report.tested else "NOT tested by kl-adapters"
+    lines = [f"kl-adapters doctor: {report.framework} {report.version} ({tested}) -- {report.source}",
+             "sampling: " + " + ".join(report.regimes)
+             + (f" ({report.off_policy_reason})" if report.off_policy_reason else "")]
+    if not report.paths:
+        lines.append("KL: none configured")
+    else:
+        head = f"{'path':<7}{'native setting':<46}{'preset':<14}"
+        head += "".join(f"{('on' if r == ON else 'off') + ': bias':>11}{'cos':>7}" for r in report.regimes)
+        lines += [head, "-" * len(head)]
+        for p in doc["paths"]:
+            row = f"{p['path']:<7}{_cut(p['setting'], 45):<46}{p['preset'] or '(none)':<14}"
+            for r in report.regimes:
+                a = (p["audit"] or {}).get(r)
+                row += (f"{a['relative_bias']:>11.3f}{'-' if a['cosine'] is None else format(a['cosine'], '.3f'):>7}"
+                        if a else f"{'-':>11}{'-':>7}")
+            lines += [row, f"{'':<7}why: {p['why']} [{p['source']}]"]
+    if report.hazards:
+        lines.append("hazards:")
+        lines += [f"  {paint(h.severity + ':', h.severity + ':')} [{h.code}] {h.message}" for h in report.hazards]
+    if report.unresolved:
+        lines.append("not resolved without running the script: " + ", ".join(report.unresolved))
+    lines += [f"  note: {n}" for n in report.notes]
+    lines.append(f"verdict: {paint(report.verdict.upper(), report.verdict)} (exit {report.exit_code})")
+    if report.fix is not None:
+        lines.append(f"fix (preset {report.fix.preset}):")
+        lines += [f"  {line}" for line in report.fix.lines]
+        lines.append(f"  beta after the fix: {report.fix.beta}")
+    if report.paths:
+        lines.append(f"bias = |E[grad] - grad KL_seq| / |grad KL_seq| in the exact audit {AUDIT_PROBLEM}")
+    return "\n".join(lines)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+_NUMBER = {"type": ["number", "null"]}
+SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["schema", "framework", "version", "tested", "source", "verdict", "exit_code", "regimes",
+                 "off_policy_reason", "paths", "hazards", "fix", "audit_problem", "unresolved", "notes"],
+    "additionalProperties": False,
+    "properties": {
+        "schema": {"const": 1},
+        "framework": {"enum": sorted(TESTED)},
+        "version": {"type": "string"},
+        "tested": {"type": "boolean"},
+        "source": {"type": "string"},
+        "verdict": {"enum": sorted(EXIT_CODES)},
+        "exit_code": {"enum": [0, 1]},
+        "regimes": {"type": "array", "items": {"enum": [ON, OFF]}, "minItems": 1},
+        "off_policy_reason": {"type": ["string", "null"]},
+        "paths": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False,
+            "required": ["path", "setting", "beta", "preset", "why", "source", "unbiased", "audit"],
+            "properties": {
+                "path": {"enum": ["loss", "reward"]}, "setting": {"type": "string"}, "beta": _NUMBER,
+                "preset": {"type": ["string", "null"]}, "why": {"type": "string"}, "source": {"type": "string"},
+                "unbiased": {"type": "boolean"},
+                "audit": {"type": ["object", "null"], "additionalProperties": {
+                    "type": "object", "required": ["relative_bias", "cosine"], "additionalProperties": False,
+                    "properties": {"relative_bias": {"type": "number"}, "cosine": _NUMBER}}},
+            }}},
+        "hazards": {"type": "array", "items": {
+            "type": "object", "required": ["code", "severity", "message"], "additionalProperties": False,
+            "properties": {"code": {"type": "string"}, "severity": {"enum": list(SEVERITIES)},
+                           "message": {"type": "string"}}}},
+        "fix": {"type": ["object", "null"], "required": ["preset", "lines", "beta"], "additionalProperties": False,
+                "properties": {"preset": {"type": "string"}, "lines": {"type": "array", "items": {"type": "string"}},
+                               "beta": {"type": "string"}}},
+        "audit_problem": {"type": "string"},
+        "unresolved": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "array", "items": {"type": "string"}},
+    },
+}
+
+
+def adapter_native(preset: str, flag: str, adapter: str) -> NativeKL:
+    """The NativeKL of a path kl-adapters replaces: its gradient is the preset's by construction (adapter tests)."""
+    return NativeKL(preset, f"{flag}: kl-adapters replaces the framework's KL term with preset {preset!r} "
+                            f"({get_preset(preset).gradient})", f"kl_adapters/adapters/{adapter}.py")
+
+
+def settings_or_error(value: str | None, where: str):
+    """activation.parse(value), with an unknown preset as an unreadable configuration (exit 2)."""
+    from ..activation import parse
+
+    try:
+        return parse(value)
+    except ValueError as err:
+        raise DoctorError(f"{where}: {err}") from None

@@ -1,0 +1,201 @@
+"""Read the arguments a launch script passes to a Python module, without running the script.
+
+Handles what launch scripts of verl and OpenRLHF use: line continuations, comments, ``NAME=value`` / ``export NAME=..``
+assignments (also ``NAME=${NAME:-default}``), bash arrays ``NAME=( ... )`` expanded by ``"${NAME[@]}"``, and
+``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``${NAME:=default}`` in arguments, and ``case WORD in pattern) ...
+;; esac`` (only the matching branch's lines apply). What cannot be resolved without
+running the script (an unset variable, ``$(...)``, ``$1``, arithmetic) becomes the word `marker` (UNRESOLVED_...) and
+listed in `Command.unresolved`; ``$@`` / ``$*`` (the script's own arguments) are dropped and listed. Control flow is
+not otherwise followed (if / for / functions): every assignment is applied in file order, the last one before the
+command wins.
+Pinned by tests/core/test_doctor.py::test_shell_*.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .report import DoctorError
+
+#: what an unresolved reference is replaced by: a plain word (Hydra and argparse accept it), naming what it was
+UNRESOLVED = "UNRESOLVED_"
+
+
+def marker(reference: str) -> str:
+    """The word standing for an unresolved reference, e.g. UNRESOLVED_HOME for $HOME."""
+    return UNRESOLVED + (re.sub(r"\W+", "_", reference).strip("_") or "value")
+_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
+_LABEL = re.compile(r"^\s*([^\s()]+)\)\s*")  # a case branch label: "pattern)" or "a|b)"
+_ARRAY_START = re.compile(r"^\s*(?:[^\s()]+\)\s*)?(?:export\s+|declare\s+-a\s+)?([A-Za-z_]\w*)=\((.*)$", re.S)
+_REF = re.compile(r"\$\{([A-Za-z_]\w*)(\[[@*]\])?(?:(:?[-=])([^}]*))?\}|\$([A-Za-z_]\w*)|\$([@*#?0-9])|\$\(\(?[^)]*\)?\)|`[^`]*`|\$\{[^}]*\}")
+
+
+@dataclass
+class Command:
+    """One invocation of the module: its arguments after ``-m <module>`` (or the module's file), expanded."""
+
+    module: str
+    args: list[str]
+    line: int  # 1-based line of the script where the command starts
+    unresolved: list[str] = field(default_factory=list)
+    #: variables (assigned or exported in the script, or given) at the command, e.g. KL_ADAPTERS
+    variables: dict[str, str] = field(default_factory=dict)
+
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each logical line: backslash continuations joined, arrays kept whole."""
+    out: list[tuple[int, str]] = []
+    buf, start, depth = "", 0, 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.rstrip()
+        if not buf:
+            start = number
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        if depth == 0 and _ARRAY_START.match(buf) and ")" not in _strip_comment(buf.split("=(", 1)[1]):
+            depth = 1
+        elif depth and ")" in _strip_comment(line):
+            depth = 0
+        if depth:
+            buf += "\n"
+            continue
+        out.append((start, buf))
+        buf = ""
+    if buf:
+        out.append((start, buf))
+    return out
+
+
+def _strip_comment(text: str) -> str:
+    try:
+        return " ".join(shlex.split(text, comments=True))
+    except ValueError:
+        return text
+
+
+def _expand(token: str, env: Mapping[str, str], arrays: Mapping[str, list[str]], unresolved: list[str]) -> list[str]:
+    """Expand one (unquoted) word; a whole-word array reference splices its elements."""
+    whole = re.fullmatch(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}", token)
+    if whole and whole.group(1) in arrays:
+        return [e for item in arrays[whole.group(1)] for e in _expand(item, env, arrays, unresolved)]
+    if token in ("$@", "$*"):
+        unresolved.append(f"{token} (the script's own arguments, dropped)")
+        return []
+
+    def sub(m: re.Match) -> str:
+        name, index, op, default, plain, special = m.groups()
+        name = name or plain
+        if name is None:  # $1, $#, $(...), `...`
+            unresolved.append(m.group(0))
+            return marker(m.group(0))
+        if index is not None and name in arrays:
+            return " ".join(arrays[name])
+        if name in env and (env[name] != "" or op not in (":-", ":=")):
+            return env[name]
+        if op is not None:
+            return " ".join(_expand(default, env, arrays, unresolved))
+        unresolved.append(f"${name}")
+        return marker(name)
+
+    return [_REF.sub(sub, token)]
+
+
+def _words(text: str) -> list[str] | None:
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError:
+        return None
+
+
+def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | None = None) -> list[Command]:
+    """Every invocation of one of `modules` in the shell script `text` (``python -m mod`` or ``.../mod/as/path.py``),
+    with its arguments expanded using the script's assignments and `env` (the caller's environment)."""
+    variables: dict[str, str] = dict(env or {})
+    arrays: dict[str, list[str]] = {}
+    commands = []
+    paths = {m: m.replace(".", "/") + ".py" for m in modules}
+    case: list[str] | None = None  # the word of the enclosing `case`, expanded
+    active = True
+    for number, line in logical_lines(text):
+        head = _words(line.split(")", 1)[0] if _LABEL.match(line) else line) or [""]
+        if head[0] == "case" and len(head) >= 3:
+            case, active = [" ".join(_expand(head[1], variables, arrays, []))], False
+            continue
+        if head[0] == "esac":
+            case, active = None, True
+            continue
+        if case is not None:
+            label = _LABEL.match(line)
+            if label:
+                active = any(fnmatch.fnmatchcase(case[0], p) for p in label.group(1).split("|"))
+                line = line[label.end():]
+            if not active:
+                continue
+            line = re.sub(r"\s*;;\s*$", "", line)
+        array = _ARRAY_START.match(line)
+        if array and line.rstrip().endswith(")"):
+            inner = line.split("=(", 1)[1].rsplit(")", 1)[0]
+            noise: list[str] = []
+            arrays[array.group(1)] = [e for w in (_words(inner) or []) for e in _expand(w, variables, arrays, noise)]
+            continue
+        words = _words(line)
+        if not words:
+            continue
+        module = _module_index(words, modules, paths)
+        if module is None:
+            for word in words:  # assignments, possibly several (A=1 B=2), possibly a prefix of a command
+                m = _ASSIGN.match(word)
+                if not m:
+                    break
+                noise = []
+                variables[m.group(1)] = " ".join(_expand(m.group(2), variables, arrays, noise))
+            if words[0] == "export" and len(words) > 1:
+                for word in words[1:]:
+                    m = _ASSIGN.match(word)
+                    if m:
+                        noise = []
+                        variables[m.group(1)] = " ".join(_expand(m.group(2), variables, arrays, noise))
+            continue
+        name, start = module
+        unresolved: list[str] = []
+        local = dict(variables)
+        for word in words[:start]:  # VAR=value python -m ...  (per-command environment)
+            m = _ASSIGN.match(word)
+            if m:
+                local[m.group(1)] = " ".join(_expand(m.group(2), variables, arrays, unresolved))
+        args = [e for w in words[start:] for e in _expand(w, local, arrays, unresolved)]
+        unresolved += [m for a in args for m in re.findall(UNRESOLVED + r"\w+", a)]  # via variables and arrays
+        commands.append(Command(name, args, number, list(dict.fromkeys(unresolved)), local))
+    return commands
+
+
+def _module_index(words: list[str], modules: tuple[str, ...], paths: dict[str, str]) -> tuple[str, int] | None:
+    """(module, index of its first argument) if the words run one of the modules."""
+    for i, word in enumerate(words):
+        if word == "-m" and i + 1 < len(words) and words[i + 1] in modules:
+            return words[i + 1], i + 2
+        for module, path in paths.items():
+            if word.endswith(path):
+                return module, i + 1
+    return None
+
+
+def launch_arguments(argv: list[str], modules: tuple[str, ...], env: Mapping[str, str]) -> Command:
+    """argv itself when it is not one ``.sh`` path; else the script's last command running one of `modules`
+    (DoctorError when it cannot be read or runs none of them)."""
+    if not (len(argv) == 1 and argv[0].endswith(".sh")):
+        return Command(modules[0], list(argv), 0)
+    try:
+        commands = find_commands(Path(argv[0]).read_text(), modules, env)
+    except OSError as err:
+        raise DoctorError(f"cannot read {argv[0]}: {err}") from None
+    if not commands:
+        raise DoctorError(f"{argv[0]} does not run {' or '.join(modules)}")
+    return commands[-1]

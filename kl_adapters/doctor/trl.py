@@ -1,0 +1,179 @@
+"""The doctor's TRL reader: GRPOTrainer / RLOOTrainer configurations, parsed by TRL's own ``trl grpo`` / ``trl rloo``
+parser (`trl.scripts.<trainer>.make_parser`, TrlParser: command-line arguments and ``--config file.yaml``).
+
+Input: the arguments of ``trl grpo|rloo`` (a YAML file as first argument means ``--config``), or an example script
+(``.py``): the arguments of the usage command in its docstring plus the literal keyword arguments of its
+``GRPOConfig(...)`` / ``RLOOConfig(...)`` call. kl-adapters' own fields (``--kl_preset``, ``--kl_is_clip``: see
+`kl_adapters.adapters.trl.KLGRPOConfig`) are read too. ``--use_cpu`` is added when absent: TrainingArguments refuses
+bf16 without a GPU, and the device does not touch the KL.
+
+KL paths (`kl_adapters.native`): GRPO's loss (beta * k3, times pi/pi_old with use_bias_correction_kl); RLOO's
+reward (beta * sum_t k1_t in the sequence reward). Pinned by tests/trl/test_doctor.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import shlex
+from pathlib import Path
+
+from .. import native
+from .report import DoctorError, Fix, KLPath, Report, adapter_native, installed_version, settings_or_error
+from .shell import logical_lines
+
+TRAINERS = ("grpo", "rloo")
+_CONFIG_CLASS = {"grpo": "GRPOConfig", "rloo": "RLOOConfig"}
+_KL_FIELDS = ("--kl_preset", "--kl_is_clip")
+
+BETA_AFTER_FIX = ("TRL's beta keeps its strength relative to the policy loss: the adapter adds the preset's "
+                  "sequence-level KL with beta_seq = beta * B / D, D the loss type's own normaliser (grpo, sapo: "
+                  "D = B * max_completion_length, i.e. no per-sequence length division)")
+
+
+def read(argv: list[str], trainer: str | None = None) -> Report:
+    """Report on a TRL configuration (see the module docstring); DoctorError when it cannot be read."""
+    version = installed_version("trl")
+    source = " ".join(argv) or "(TRL defaults)"
+    if argv and argv[0].endswith(".py"):
+        trainer_in_script, argv = script_arguments(Path(argv[0]), argv[1:])
+        trainer = trainer or trainer_in_script
+    elif argv and argv[0].endswith((".yaml", ".yml")):
+        argv = ["--config", *argv]
+    trainer = trainer or "grpo"
+    if trainer not in TRAINERS:
+        raise DoctorError(f"TRL trainer must be one of {TRAINERS}, got {trainer!r}")
+    config, kl_flags = _parse(trainer, argv)
+    report = Report("trl", version, source)
+    report.check_version()
+    if trainer == "grpo":
+        _grpo(report, config, kl_flags)
+    else:
+        _rloo(report, config, kl_flags)
+    return report
+
+
+def script_arguments(path: Path, extra: list[str]) -> tuple[str, list[str]]:
+    """(trainer, argv) of an example script: its docstring usage command's arguments, then `extra`, then the literal
+    keyword arguments of its GRPOConfig/RLOOConfig call as ``--key value``."""
+    try:
+        text = path.read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError) as err:
+        raise DoctorError(f"cannot read {path}: {err}") from None
+    trainers = [t for t, cls in _CONFIG_CLASS.items() if f"{cls}(" in text or f" {cls}," in text or f"({cls}," in text]
+    if len(trainers) != 1:
+        raise DoctorError(f"{path}: uses {'both' if trainers else 'neither'} of GRPOConfig / RLOOConfig; "
+                          "pass --trainer and the arguments instead")
+    argv = _usage_arguments(ast.get_docstring(tree) or "", path.name) if "TrlParser" in text else []
+    literals: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == _CONFIG_CLASS[trainers[0]]:
+            for kw in node.keywords:
+                try:
+                    value = ast.literal_eval(kw.value) if kw.arg else None
+                except ValueError:
+                    continue  # computed at run time (e.g. from its own argparse): the parser default stands
+                if kw.arg and (value is None or isinstance(value, (str, int, float, bool))):
+                    literals += [f"--{kw.arg}", str(value)]
+    return trainers[0], argv + extra + literals
+
+
+def _usage_arguments(docstring: str, name: str) -> list[str]:
+    for _, line in logical_lines(docstring):
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        for i, word in enumerate(words):
+            if word.endswith(name):
+                return words[i + 1:]
+    return []
+
+
+def _parse(trainer: str, argv: list[str]):
+    script = importlib.import_module(f"trl.scripts.{trainer}")
+    parser = script.make_parser()
+    args = list(argv) + ([] if "--use_cpu" in argv else ["--use_cpu", "true"])
+    try:
+        *parsed, remaining = parser.parse_args_and_config(args, return_remaining_strings=True)
+    except (SystemExit, ValueError, OSError, TypeError) as err:
+        raise DoctorError(f"TRL's parser refused the arguments: {err}") from None
+    config = next(p for p in parsed if type(p).__name__ == _CONFIG_CLASS[trainer])
+    kl_flags: dict[str, str] = {}
+    rest = list(remaining)
+    while rest:
+        key = rest.pop(0)
+        name, _, value = key.partition("=")
+        if name not in _KL_FIELDS or (not value and not rest):
+            raise DoctorError(f"arguments TRL's {trainer} parser does not know: {remaining}")
+        kl_flags[name[2:]] = value or rest.pop(0)
+    return config, kl_flags
+
+
+def _off_policy(report: Report, config) -> None:
+    every = config.steps_per_generation * config.num_iterations
+    if config.gradient_accumulation_steps % every != 0 or config.num_iterations > 1:
+        report.regimes = ("on-policy", "off-policy")
+        report.off_policy_reason = (f"num_iterations={config.num_iterations}, steps_per_generation="
+                                    f"{config.steps_per_generation}, gradient_accumulation_steps="
+                                    f"{config.gradient_accumulation_steps}: later optimizer steps reuse a rollout")
+
+
+def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
+    settings = settings_or_error(kl_flags.get("kl_preset"), "--kl_preset")
+    _off_policy(report, config)
+    if config.beta == 0.0:
+        if settings is not None:
+            report.add("zero-coefficient", "no-op", f"kl_preset={settings} with beta=0.0: TRL builds no reference "
+                       "model, so the preset would do nothing (KLGRPOConfig refuses it); set beta > 0")
+            report.fix = Fix(settings.preset, ("--beta 0.04  (any beta > 0)",), BETA_AFTER_FIX)
+        return
+    setting = (f"beta={config.beta:g}, loss_type={config.loss_type}, use_bias_correction_kl="
+               f"{config.use_bias_correction_kl}, importance_sampling_level={config.importance_sampling_level}")
+    if settings is not None:
+        report.paths.append(KLPath("loss", f"kl_preset={settings}, beta={config.beta:g}", config.beta,
+                                   adapter_native(settings.preset, f"kl_preset={settings}", "trl")))
+        if config.use_liger_kernel:
+            report.add("refused", "bias", "kl-adapters refuses use_liger_kernel=True (untested) at the first step")
+        return
+    kl = native.trl_grpo_loss(config.use_bias_correction_kl, config.importance_sampling_level)
+    report.paths.append(KLPath("loss", setting, config.beta, kl))
+    if kl.preset is None:
+        report.add("sequence-is", "bias", "importance_sampling_level='sequence' multiplies every token's k3 by the "
+                   "sequence-level ratio, with gradient: its gradient adds (sum_t k3_t) times the sequence's mean "
+                   "score, an extra term no preset has (TRL issue #6586)")
+    if config.loss_type in ("grpo", "sapo"):
+        report.add("length-normalized", "bias", f"loss_type={config.loss_type} divides each sequence's loss, KL "
+                   "included, by its own length: the KL optimized is E[KL_seq / |o|], a length-normalized KL")
+    if getattr(config, "vllm_importance_sampling_correction", False) and getattr(config, "use_vllm", False):
+        report.add("vllm-is", "warning", "vLLM importance sampling correction weights the policy loss only; the KL "
+                   "term is not corrected for the vLLM/trainer mismatch")
+    report.fix = Fix("sequence", (
+        "from kl_adapters.adapters.trl import KLGRPOConfig  # in place of GRPOConfig, then kl_preset='sequence'",
+        "--kl_preset sequence  (scripts parsing KLGRPOConfig)",
+        "KL_ADAPTERS=sequence  (environment, e.g. with `trl grpo`)"), BETA_AFTER_FIX)
+
+
+def _rloo(report: Report, config, kl_flags: dict[str, str]) -> None:
+    if kl_flags:
+        raise DoctorError(f"RLOOTrainer has no kl-adapters fields ({', '.join(kl_flags)}); kl-adapters leaves RLOO "
+                          "as it is (KL_ADAPTERS only makes it refuse biased RLOO settings)")
+    _off_policy(report, config)
+    if config.beta == 0.0:
+        return
+    report.paths.append(KLPath("reward", f"beta={config.beta:g}, normalize_advantages={config.normalize_advantages}",
+                               config.beta, native.trl_rloo_reward()))
+    if config.normalize_advantages:
+        report.add("std-normalized-reward", "bias", "normalize_advantages=True divides the advantages, KL reward "
+                   "included, by their batch std: the KL's scale (beta) then depends on the batch")
+    if len(report.regimes) > 1:
+        report.add("stale-kl-reward", "bias", "off-policy RLOO computes k1 from the rollout-time log-probs and weights "
+                   "it with the clipped sequence ratio: not the current policy's KL gradient (the audit's off-policy "
+                   "row uses a per-token ratio instead, so it only indicates the size)")
+    if report.hazards:
+        report.fix = Fix("sequence", (
+            "num_iterations=1, steps_per_generation dividing gradient_accumulation_steps, normalize_advantages=False "
+            "(RLOO's KL is then exact on-policy), or",
+            "GRPOTrainer with KLGRPOConfig(kl_preset='sequence', beta=...)  (exact on- and off-policy)"),
+            "RLOO's beta multiplies the summed k1 in the sequence reward (unchanged); " + BETA_AFTER_FIX)

@@ -1,0 +1,239 @@
+"""The doctor's verl reader: Hydra overrides composed with verl's own config (``ppo_trainer.yaml``, or the
+``--config-name`` given, from the installed verl's trainer/config), or a launch script running
+``verl.trainer.main_ppo`` (its overrides extracted by `shell.find_commands`).
+
+KL paths (`kl_adapters.native`): the actor loss (``actor.use_kl_loss``: kl_loss_coef * agg_loss(kl_penalty(log_prob,
+ref, kl_loss_type))) and the reward (``algorithm.use_kl_in_reward``: scores - beta * kl_penalty(old, ref,
+kl_penalty), then the advantage estimator). ``kl_adapters:<preset>`` names and KL_ADAPTERS (the script's environment
+or ``+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS``) select the adapter's presets; its own refusals
+(`kl_adapters.adapters.verl.check_config`) are reported as hazards. verl's full ``validate_config`` is not run (it
+checks GPU counts and batch divisibility, which do not touch the KL). Pinned by tests/verl/test_doctor.py.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from .. import native
+from ..activation import ENV_VAR
+from .report import OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, settings_or_error
+from .shell import UNRESOLVED, launch_arguments
+
+MODULES = ("verl.trainer.main_ppo",)
+_TO_GO = ("reinforce_plus_plus", "gae")  # per-token returns; other estimators sum the token rewards
+_ACTOR, _ALGO = "actor_rollout_ref.actor", "algorithm"
+
+BETA_LOSS = ("kl_loss_coef keeps its strength relative to the task loss: the preset's term goes through verl's own "
+             "agg_loss, i.e. kl_surrogate(..., beta = kl_loss_coef * B / D) with D verl's divisor (token-mean: "
+             "batch_num_tokens / dp_size)")
+BETA_REWARD = ("algorithm.kl_ctrl.kl_coef keeps verl's meaning, a per-token reward coefficient on the raw reward "
+               "scale; the KL reward-to-go is added after the advantage estimator (never divided by GRPO's std)")
+
+
+def read(argv: list[str], env: dict[str, str] | None = None) -> Report:
+    """Report on verl Hydra overrides, or on a launch script when argv is one ``.sh`` path (its variables resolved
+    from `env`, default this process's environment)."""
+    version = installed_version("verl")
+    command = launch_arguments(argv, MODULES, os.environ if env is None else env)
+    report = Report("verl", version, " ".join(argv) or "(verl defaults)", unresolved=command.unresolved)
+    report.check_version()
+    config = compose(command.args)
+    _analyse(report, config, command.variables.get(ENV_VAR))
+    return report
+
+
+def compose(overrides: list[str]):
+    """verl's config composed with `overrides` by Hydra, as ``python -m verl.trainer.main_ppo`` composes it."""
+    import verl
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    name, rest = "ppo_trainer", []
+    for item in overrides:
+        if item.startswith("--config-name"):
+            name = item.split("=", 1)[1].strip("'\"").removesuffix(".yaml")
+        elif item.startswith("--config-path"):
+            continue  # the example's own config folder is not installed; its name is looked up in verl's
+        elif item.startswith("-"):
+            raise DoctorError(f"unsupported main_ppo option {item!r} (only Hydra overrides and --config-name)")
+        else:
+            rest.append(item)
+    if not os.path.exists(os.path.join(config_dir, f"{name}.yaml")):
+        raise DoctorError(f"config {name!r} is not one of the installed verl's trainer configs ({config_dir})")
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            return hydra_compose(config_name=name, overrides=rest)
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        raise DoctorError(f"Hydra could not compose verl's {name}.yaml with these overrides: {err}") from None
+
+
+def _get(config, key: str):
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, key, default=None, throw_on_missing=False)
+    if isinstance(value, str) and UNRESOLVED in value:
+        raise DoctorError(f"{key} is set from something the script computes at run time ({value})")
+    return value
+
+
+def _number(config, key: str) -> float | None:
+    try:
+        value = _get(config, key)
+        return None if value is None else float(value)
+    except (DoctorError, TypeError, ValueError):
+        return None
+
+
+def _analyse(report: Report, config, script_env: str | None) -> None:
+    from omegaconf import OmegaConf
+
+    use_loss, use_reward = bool(_get(config, f"{_ACTOR}.use_kl_loss")), bool(_get(config, f"{_ALGO}.use_kl_in_reward"))
+    runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
+    env_value = script_env or runtime_env
+    default = settings_or_error(env_value, ENV_VAR)
+    _regimes(report, config)
+    refusal = _adapter_refusal(config, env_value)
+    if refusal:
+        severity = "no-op" if "no effect" in refusal else "bias"
+        report.add("refused", severity, f"kl-adapters refuses this configuration before Ray starts: {refusal}")
+    loss_type, agg = str(_get(config, f"{_ACTOR}.kl_loss_type")), str(_get(config, f"{_ACTOR}.loss_agg_mode"))
+    if use_loss:
+        _loss_path(report, config, loss_type, agg, default)
+    if use_reward:
+        _reward_path(report, config, agg, default)
+    if use_loss and use_reward:
+        report.add("double-kl", "bias", "KL in the reward (algorithm.use_kl_in_reward) and in the loss "
+                   "(actor.use_kl_loss) at once: two betas in different units regularize twice (unbiased only for "
+                   "the same value-unbiased estimator at one common beta, which verl's units never give)")
+    if report.verdict in ("biased", "no-op"):
+        report.fix = _fix(report, config, use_loss, use_reward, agg)
+
+
+def _regimes(report: Report, config) -> None:
+    batch, mini = _number(config, "data.train_batch_size"), _number(config, f"{_ACTOR}.ppo_mini_batch_size")
+    epochs = _number(config, f"{_ACTOR}.ppo_epochs")
+    if None in (batch, mini, epochs) or mini == 0:
+        report.regimes = (ON, OFF)
+        report.off_policy_reason = "batch sizes not resolved: both regimes shown"
+        return
+    steps = int(batch // mini) * int(epochs)
+    if steps > 1:
+        report.regimes = (ON, OFF)
+        report.off_policy_reason = (f"{int(batch // mini)} mini-batch(es) x {int(epochs)} epoch(s) per rollout: "
+                                    "later updates use a stale rollout")
+
+
+@contextmanager
+def _environment(value: str | None):
+    saved = os.environ.get(ENV_VAR)
+    os.environ.pop(ENV_VAR, None)
+    if value:
+        os.environ[ENV_VAR] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_VAR, None)
+        if saved is not None:
+            os.environ[ENV_VAR] = saved
+
+
+def _adapter_refusal(config, env_value: str | None) -> str | None:
+    """The adapter's own refusal of this configuration (the same check its patched validate_config runs)."""
+    from ..adapters import verl as adapter
+
+    with _environment(env_value):
+        try:
+            adapter.check_config(config)
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> None:
+    from ..adapters.verl import flag_settings
+
+    coef = _number(config, f"{_ACTOR}.kl_loss_coef")
+    setting = f"kl_loss_type={loss_type}, kl_loss_coef={coef:g}, loss_agg_mode={agg}"
+    try:
+        settings = flag_settings(loss_type, default)
+    except ValueError as err:
+        raise DoctorError(f"{_ACTOR}.kl_loss_type: {err}") from None
+    if settings is not None:
+        report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{loss_type}", "verl")))
+    else:
+        kl = native.verl_loss(loss_type)
+        report.paths.append(KLPath("loss", setting, coef, kl))
+        if kl.preset is None:
+            report.add("unsupported-estimator", "bias", kl.reason)
+        if loss_type.rstrip("+") in ("low_var_kl", "k3") and not loss_type.endswith("+"):
+            report.add("clamp", "warning", f"verl clamps k3's log-ratio to +-{native.VERL_K3_LOG_RATIO_CLAMP:g} and "
+                       f"its value to +-{native.VERL_K3_VALUE_CLAMP:g}: zero gradient wherever k3 > "
+                       f"{native.VERL_K3_VALUE_CLAMP:g} (a token the policy has nearly dropped)")
+        if agg == "seq-mean-token-mean":
+            report.add("length-normalized", "bias", "loss_agg_mode=seq-mean-token-mean divides each sequence's KL "
+                       "by its own length: a length-normalized KL, not KL_seq")
+    if not coef:
+        report.add("zero-coefficient", "no-op", "actor.use_kl_loss=True with kl_loss_coef=0: a reference model is "
+                   "computed and the KL adds nothing")
+
+
+def _reward_path(report: Report, config, agg: str, default) -> None:
+    from ..adapters.verl import flag_settings
+
+    penalty = str(_get(config, f"{_ALGO}.kl_penalty"))
+    estimator = str(_get(config, f"{_ALGO}.adv_estimator"))
+    ctrl, coef = str(_get(config, f"{_ALGO}.kl_ctrl.type")), _number(config, f"{_ALGO}.kl_ctrl.kl_coef")
+    setting = f"kl_penalty={penalty}, kl_coef={coef:g} ({ctrl}), adv_estimator={estimator}"
+    try:
+        settings = flag_settings(penalty, default)
+    except ValueError as err:
+        raise DoctorError(f"{_ALGO}.kl_penalty: {err}") from None
+    if ctrl == "adaptive":
+        report.add("adaptive-controller", "warning", "kl_ctrl.type=adaptive compares target_kl with the batch mean "
+                   "of each sequence's token-mean KL (ray_trainer.py:108-112): a per-token unit, not KL_seq; beta then "
+                   "varies with response length")
+    if settings is not None:
+        report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.preset, penalty, "verl")))
+        return
+    kl = native.verl_reward(penalty, to_go=estimator in _TO_GO)
+    report.paths.append(KLPath("reward", setting, coef, kl))
+    if kl.preset is None:
+        report.add("unsupported-estimator", "bias", kl.reason)
+    if penalty.rstrip("+") in ("low_var_kl", "k3"):
+        report.add("clamp", "warning", f"verl clamps k3's value to +-{native.VERL_K3_VALUE_CLAMP:g}: the reward "
+                   "misses the KL of tokens beyond the clamp")
+    if estimator == "grpo" and bool(_get(config, f"{_ALGO}.norm_adv_by_std_in_grpo")):
+        report.add("std-normalized-reward", "bias", "adv_estimator=grpo divides the summed reward, KL included, by "
+                   "its group's std: beta becomes prompt-dependent and the KL enters that std (biased direction)")
+    elif estimator == "grpo":
+        report.add("mean-baseline", "warning", "adv_estimator=grpo without std: the group mean includes the sample "
+                   "itself, which scales the KL gradient by 1 - 1/G (direction unbiased, beta shrunk)")
+    gamma, lam = _number(config, f"{_ALGO}.gamma"), _number(config, f"{_ALGO}.lam")
+    if estimator in _TO_GO and gamma is not None and gamma != 1.0:
+        report.add("discounted", "bias", f"algorithm.gamma={gamma:g}: a discounted KL reward-to-go is not the "
+                   "gradient of the sequence KL")
+    if estimator == "gae" and lam is not None and lam != 1.0:
+        report.add("gae-lambda", "bias", f"algorithm.lam={lam:g} bootstraps the KL return from the critic: exact "
+                   "only at lam = 1")
+    if agg == "seq-mean-token-mean":
+        report.add("length-normalized", "bias", "loss_agg_mode=seq-mean-token-mean divides each sequence's KL "
+                   "return by its own length in the policy loss: a length-normalized KL")
+    if not coef and ctrl != "adaptive":
+        report.add("zero-coefficient", "no-op", "algorithm.use_kl_in_reward=True with kl_ctrl.kl_coef=0: the KL "
+                   "reward is always zero")
+
+
+def _fix(report: Report, config, use_loss: bool, use_reward: bool, agg: str) -> Fix:
+    """Reward path alone and on-policy: kl_adapters:reward there; otherwise the actor loss with `sequence`."""
+    on_policy = report.regimes == (ON,)
+    agg_line = [f"{_ACTOR}.loss_agg_mode=token-mean"] if agg == "seq-mean-token-mean" else []
+    if use_reward and not use_loss and on_policy:
+        coef = [] if _number(config, f"{_ALGO}.kl_ctrl.kl_coef") else [f"{_ALGO}.kl_ctrl.kl_coef=0.001"]
+        return Fix("reward", (f"{_ALGO}.kl_penalty=kl_adapters:reward", *coef, *agg_line), BETA_REWARD)
+    coef = [] if _number(config, f"{_ACTOR}.kl_loss_coef") else [f"{_ACTOR}.kl_loss_coef=0.001"]
+    return Fix("sequence", (f"{_ACTOR}.use_kl_loss=True", f"{_ACTOR}.kl_loss_type=kl_adapters:sequence", *coef,
+                            f"{_ALGO}.use_kl_in_reward=False", *agg_line), BETA_LOSS)

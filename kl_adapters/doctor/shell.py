@@ -108,6 +108,8 @@ def _expand(token: str, env: Mapping[str, str], arrays: Mapping[str, list[str]],
 
 
 def _words(text: str) -> list[str] | None:
+    """Shell words of a line; a command substitution $(...) / `...` becomes one `marker` word first."""
+    text = re.sub(r"\$\([^()]*\)|`[^`]*`", lambda m: marker(m.group(0)), text)
     try:
         return shlex.split(text, comments=True)
     except ValueError:
@@ -122,11 +124,11 @@ def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | 
     commands = []
     paths = {m: m.replace(".", "/") + ".py" for m in modules}
     case: list[str] | None = None  # the word of the enclosing `case`, expanded
-    active = True
+    active, matched = True, False  # in a branch that applies; a branch of this case has applied
     for number, line in logical_lines(text):
         head = _words(line.split(")", 1)[0] if _LABEL.match(line) else line) or [""]
         if head[0] == "case" and len(head) >= 3:
-            case, active = [" ".join(_expand(head[1], variables, arrays, []))], False
+            case, active, matched = [" ".join(_expand(head[1], variables, arrays, []))], False, False
             continue
         if head[0] == "esac":
             case, active = None, True
@@ -134,13 +136,14 @@ def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | 
         if case is not None:
             label = _LABEL.match(line)
             if label:
-                active = any(fnmatch.fnmatchcase(case[0], p) for p in label.group(1).split("|"))
+                active = not matched and any(fnmatch.fnmatchcase(case[0], p) for p in label.group(1).split("|"))
+                matched = matched or active
                 line = line[label.end():]
             if not active:
                 continue
             line = re.sub(r"\s*;;\s*$", "", line)
         array = _ARRAY_START.match(line)
-        if array and line.rstrip().endswith(")"):
+        if array and ")" in line.split("=(", 1)[1]:
             inner = line.split("=(", 1)[1].rsplit(")", 1)[0]
             noise: list[str] = []
             arrays[array.group(1)] = [e for w in (_words(inner) or []) for e in _expand(w, variables, arrays, noise)]
@@ -171,7 +174,8 @@ def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | 
             if m:
                 local[m.group(1)] = " ".join(_expand(m.group(2), variables, arrays, unresolved))
         args = [e for w in words[start:] for e in _expand(w, local, arrays, unresolved)]
-        unresolved += [m for a in args for m in re.findall(UNRESOLVED + r"\w+", a)]  # via variables and arrays
+        named = {marker(u) for u in unresolved} | {marker("$" + u[1:]) for u in unresolved}
+        unresolved += [m for a in args for m in re.findall(UNRESOLVED + r"\w+", a) if m not in named]  # via arrays
         commands.append(Command(name, args, number, list(dict.fromkeys(unresolved)), local))
     return commands
 

@@ -1,0 +1,175 @@
+"""kl-adapters doctor on verl 0.9.1: Hydra composition with verl's own config, launch scripts (the project's example
+and vendored verl examples, tests/fixtures/doctor/MANIFEST), every verl hazard on a constructed config, the fix
+(re-read: unbiased, and accepted by the adapter), the JSON schema, the exit codes, and agreement of the doctor's
+mapping with verl's own kl_penalty gradient and with the adapter's native preset and refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from kl_adapters import native
+from kl_adapters.adapters import verl as adapter
+from kl_adapters.cli import main
+from kl_adapters.doctor import SCHEMA, diagnose
+from kl_adapters.doctor.verl import compose
+from kl_adapters.surrogate import kl_term
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "doctor" / "verl"
+LOSS = ["actor_rollout_ref.actor.use_kl_loss=True"]
+REWARD = ["algorithm.use_kl_in_reward=True"]
+ON_POLICY = ["data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=256"]
+
+
+def doctor(*overrides: str):
+    return diagnose("verl", list(overrides))
+
+
+def codes(report) -> dict[str, str]:
+    return {h.code: h.severity for h in report.hazards}
+
+
+@pytest.mark.parametrize("name", ["kl", "k1", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+", "kl+"])
+def test_mapping_is_verls_own_gradient(name):
+    """d kl_penalty(logp, ref, name) / d logp_t (verl's code) equals the per-token weight c_t of the preset the doctor
+    names (on-policy, log-ratios inside verl's clamps), and the adapter's native preset is the same."""
+    from verl.trainer.ppo import core_algos
+
+    gen = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(3, 5, generator=gen, dtype=torch.float64) * 2).requires_grad_(True)
+    ref = (logp.detach() + 0.5 * torch.randn(3, 5, generator=gen, dtype=torch.float64)).clamp(max=-1e-3)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    (weight,) = torch.autograd.grad(core_algos.kl_penalty(logp, ref, name).sum(), logp)
+    preset = native.verl_loss(name).preset
+    assert adapter._native_preset(name) == preset
+    expected = kl_term(logp.detach(), ref, mask, preset=preset).coefficients
+    torch.testing.assert_close(weight, expected.to(weight.dtype), rtol=1e-6, atol=1e-9)
+
+
+def test_defaults_have_no_kl():
+    report = doctor()
+    assert report.verdict == "no-kl" and report.exit_code == 0 and report.version == "0.9.1" and report.tested
+
+
+def test_grpo_k3_loss_is_biased_with_fix():
+    report = doctor(*LOSS, *ON_POLICY)
+    (path,) = report.paths
+    assert (path.path, path.native.preset, report.regimes) == ("loss", "k3-loss", ("on-policy",))
+    assert codes(report) == {"clamp": "warning"} and report.verdict == "biased"
+    assert "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence" in report.fix.lines
+
+
+def test_mini_batches_make_it_off_policy():
+    report = doctor(*LOSS, "data.train_batch_size=512", "actor_rollout_ref.actor.ppo_mini_batch_size=128")
+    assert report.regimes == ("on-policy", "off-policy") and "4 mini-batch" in report.off_policy_reason
+    epochs = doctor(*LOSS, *ON_POLICY, "actor_rollout_ref.actor.ppo_epochs=2")
+    assert epochs.regimes == ("on-policy", "off-policy")
+
+
+HAZARDS = [
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_coef=0"], "zero-coefficient", "no-op"),
+    (REWARD + ["algorithm.kl_ctrl.kl_coef=0"], "zero-coefficient", "no-op"),
+    (LOSS + REWARD, "double-kl", "bias"),
+    (LOSS + ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], "length-normalized", "bias"),
+    (REWARD + ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], "length-normalized", "bias"),
+    (REWARD + ["algorithm.adv_estimator=grpo"], "std-normalized-reward", "bias"),
+    (REWARD + ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False"], "mean-baseline",
+     "warning"),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_type=low_var_kl"], "clamp", "warning"),
+    (REWARD + ["algorithm.kl_penalty=low_var_kl"], "clamp", "warning"),
+    (REWARD + ["algorithm.kl_ctrl.type=adaptive"], "adaptive-controller", "warning"),
+    (REWARD + ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.99"], "discounted", "bias"),
+    (REWARD + ["algorithm.adv_estimator=gae", "algorithm.lam=0.95"], "gae-lambda", "bias"),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_type=abs"], "unsupported-estimator", "bias"),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_type=full"], "unsupported-estimator", "bias"),
+    (["+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=sequence"], "refused", "no-op"),
+    (["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], "refused", "no-op"),
+    (LOSS + REWARD + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], "refused", "bias"),
+]
+
+
+@pytest.mark.parametrize("overrides, code, severity", HAZARDS)
+def test_hazard(overrides, code, severity):
+    report = doctor(*overrides)
+    assert codes(report).get(code) == severity, report.hazards
+    assert report.exit_code == (1 if severity != "warning" else report.exit_code)
+
+
+@pytest.mark.parametrize("overrides, code, severity", [h for h in HAZARDS if h[2] != "warning"])
+def test_fix_makes_it_unbiased_and_the_adapter_accepts_it(overrides, code, severity):
+    """Re-reading the configuration with the fix's override lines in place of the same keys: exit 0, and the
+    adapter's own check (run by verl's patched validate_config before Ray starts) accepts it."""
+    report = doctor(*overrides)
+    keys = {line.split("=", 1)[0] for line in report.fix.lines}
+    fixed = [o for o in overrides if o.split("=", 1)[0] not in keys] + list(report.fix.lines)
+    again = doctor(*fixed)
+    assert again.verdict == "unbiased", (fixed, again.hazards)
+    adapter.check_config(compose(fixed))
+
+
+def test_on_policy_reward_path_fix_is_the_reward_preset():
+    report = doctor(*REWARD, *ON_POLICY, "algorithm.adv_estimator=grpo")
+    assert report.fix.preset == "reward" and report.fix.lines == ("algorithm.kl_penalty=kl_adapters:reward",)
+    assert doctor(*REWARD, *ON_POLICY, "algorithm.adv_estimator=grpo", *report.fix.lines).verdict == "unbiased"
+
+
+def test_adapter_refusals_agree():
+    """Every configuration the adapter's check_config refuses is reported as a 'refused' hazard, and no other."""
+    for overrides, _, _ in HAZARDS:
+        try:
+            adapter.check_config(compose(overrides))
+            refused = False
+        except ValueError:
+            refused = True
+        assert refused == ("refused" in codes(doctor(*overrides))), overrides
+
+
+def test_project_example_script():
+    loss = diagnose("verl", [str(ROOT / "examples" / "verl_grpo.sh")], env={"HOME": "/home/u"})
+    assert [p.native.preset for p in loss.paths] == ["sequence"] and loss.verdict == "unbiased"
+    assert loss.unresolved == ["$@ (the script's own arguments, dropped)", "UNRESOLVED_PRESET"]
+    reward = diagnose("verl", [str(ROOT / "examples" / "verl_grpo.sh")], env={"KL_PATH": "reward"})
+    assert [p.native.preset for p in reward.paths] == ["reward"]
+    assert reward.regimes == ("on-policy", "off-policy") and reward.verdict == "biased"  # 256 / 64: 4 mini-batches
+
+
+@pytest.mark.parametrize("script, preset, verdict", [
+    ("grpo_trainer_run_qwen2-7b.sh", "k3-loss", "biased"),
+    ("rloo_trainer_run_qwen2-7b.sh", "reward-sum", "biased"),  # unbiased on-policy, but 4 mini-batches per rollout
+])
+def test_vendored_verl_examples(script, preset, verdict):
+    report = diagnose("verl", [str(FIXTURES / script)], env={})
+    assert [p.native.preset for p in report.paths] == [preset] and report.verdict == verdict
+    assert "$HOME" in report.unresolved
+
+
+def test_unresolved_kl_setting_is_unreadable(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text("python3 -m verl.trainer.main_ppo actor_rollout_ref.actor.use_kl_loss=$USE_KL\n")
+    assert main(["doctor", "verl", str(script)]) == 2
+    assert "actor_rollout_ref.actor.use_kl_loss is set from something the script computes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, code", [
+    ([], 0), (LOSS, 1), (LOSS + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], 0),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_coef=0"], 1), (["no_such_key=1"], 2),
+])
+def test_exit_codes_and_json(argv, code, capsys):
+    assert main(["doctor", "verl", "--json", *argv]) == code
+    out = capsys.readouterr().out
+    if code != 2:
+        doc = json.loads(out)
+        jsonschema.validate(doc, SCHEMA)
+        assert doc["exit_code"] == code
+
+
+def test_table_output(capsys):
+    assert main(["doctor", "verl", *LOSS]) == 1
+    out = capsys.readouterr().out
+    assert "\033[" not in out  # not a terminal
+    assert "k3-loss" in out and "verdict: BIASED (exit 1)" in out and "kl_adapters:sequence" in out

@@ -1,0 +1,175 @@
+"""kl-adapters doctor on OpenRLHF 0.11.2: its own train_ppo_ray parser (the same args as running the module, without
+Ray or vLLM), launch scripts (a vendored OpenRLHF example, tests/fixtures/doctor/MANIFEST), every OpenRLHF hazard on
+a constructed config, the fix re-read, the JSON schema, the exit codes, and agreement of the mapping with OpenRLHF's
+compute_approx_kl gradient and with the adapter's native preset and refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from kl_adapters import native
+from kl_adapters.adapters import openrlhf as adapter
+from kl_adapters.cli import main
+from kl_adapters.doctor import SCHEMA, diagnose
+from kl_adapters.doctor.openrlhf import parse
+from kl_adapters.surrogate import kl_term
+from openrlhf_harness import base_argv, cli_args
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "doctor" / "openrlhf"
+BASE = ["--actor.model_name_or_path", "m", "--reward.remote_url", "http://127.0.0.1:1",
+        "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "32", "--train.batch_size", "128"]
+LOSS = BASE + ["--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+
+
+def doctor(*argv: str):
+    return diagnose("openrlhf", list(argv), env={})
+
+
+def codes(report) -> dict[str, str]:
+    return {h.code: h.severity for h in report.hazards}
+
+
+def test_parser_is_openrlhfs():
+    """The doctor's args equal those of train_ppo_ray run as __main__ (the suite's harness, with its CPU stubs)."""
+    argv = base_argv("unused")
+    ours, theirs = parse(argv)[0], cli_args(argv)
+    for group in ("kl", "advantage"):
+        assert vars(getattr(ours.algo, group)) == vars(getattr(theirs.algo, group))
+    assert vars(ours.train) == vars(theirs.train) and vars(ours.rollout) == vars(theirs.rollout)
+
+
+@pytest.mark.parametrize("estimator, unbiased", [("k1", False), ("k2", False), ("k3", False), ("k3", True)])
+def test_mapping_is_openrlhfs_own_gradient(estimator, unbiased):
+    """d compute_approx_kl / d log_probs (OpenRLHF's code; a stale policy for unbiased_gradient) equals the per-token
+    weight of the preset the doctor names (token with is_clip=10 for unbiased_gradient), and the adapter's."""
+    from openrlhf.models.utils import compute_approx_kl
+
+    gen = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(3, 5, generator=gen, dtype=torch.float64) * 2 - 0.5).requires_grad_(True)
+    ref = logp.detach() + 0.5 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    old = logp.detach() + 0.3 * torch.randn(3, 5, generator=gen, dtype=torch.float64) if unbiased else None
+    kl = compute_approx_kl(logp, ref, old, kl_estimator=estimator, unbiased_gradient=unbiased)
+    (weight,) = torch.autograd.grad(kl.sum(), logp)
+    preset = native.openrlhf_loss(estimator, unbiased).preset
+    clip = native.OPENRLHF_IS_WEIGHT_CLIP if unbiased else None
+    expected = kl_term(logp.detach(), ref, torch.ones(3, 5, dtype=torch.bool), preset=preset, old_logp=old,
+                       is_clip=clip).coefficients
+    torch.testing.assert_close(weight, expected.to(weight.dtype), rtol=1e-5, atol=1e-6)  # OpenRLHF works in float32
+
+
+def test_default_is_k1_reward_to_go():
+    report = doctor(*BASE, "--rollout.batch_size", "32", "--train.batch_size", "128")
+    (path,) = report.paths
+    assert (path.path, path.native.preset, report.regimes) == ("reward", "reward-plain", ("on-policy",))
+    assert report.verdict == "unbiased" and {"clamp", "std-normalized-reward"} == set(codes(report))
+
+
+def test_off_policy_regimes():
+    report = doctor(*BASE, "--train.batch_size", "64")
+    assert report.regimes == ("on-policy", "off-policy") and "64 < 128 samples" in report.off_policy_reason
+    assert report.verdict == "biased"  # reward-plain has a per-token ratio only
+    assert doctor(*BASE, "--train.max_epochs", "2").regimes == ("on-policy", "off-policy")
+
+
+HAZARDS = [
+    (LOSS + ["--algo.kl.init_coef", "0"], "zero-coefficient", "no-op"),
+    (LOSS, "clamp", "warning"),
+    (LOSS, "token-mean", "warning"),
+    (BASE + ["--algo.kl.target", "0.1"], "adaptive-controller", "warning"),
+    (BASE + ["--algo.advantage.estimator", "reinforce", "--algo.advantage.gamma", "0.99"], "discounted", "bias"),
+    (BASE + ["--algo.advantage.lambd", "0.95", "--critic.model_name_or_path", "m"], "gae-lambda", "bias"),
+    (BASE + ["--actor.loss_agg_mode", "seq-mean-token-mean"], "length-normalized", "bias"),
+    (BASE + ["--actor.policy_loss_type", "gspo"], "length-normalized", "bias"),
+    (BASE + ["--algo.kl.estimator", "k2"], "unsupported-estimator", "bias"),
+    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.unbiased_gradient"], "refused", "bias"),
+    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.init_coef", "0"], "refused", "no-op"),
+    (BASE + ["--algo.kl.preset", "sequence"], "refused", "bias"),
+    (BASE + ["--algo.kl.preset", "reward", "--algo.kl.estimator", "k3"], "refused", "bias"),
+]
+
+
+@pytest.mark.parametrize("argv, code, severity", HAZARDS)
+def test_hazard(argv, code, severity):
+    report = doctor(*argv)
+    assert codes(report).get(code) == severity, report.hazards
+    assert report.exit_code == 1 or severity == "warning"
+
+
+def test_k3_in_the_reward_is_k3_reward():
+    report = doctor(*BASE, "--algo.kl.estimator", "k3")
+    assert report.paths[0].native.preset == "k3-reward" and report.verdict == "biased"
+
+
+def test_adapter_refusals_agree():
+    """The configurations check_args refuses are exactly those reported as 'refused'."""
+    from kl_adapters.activation import parse as parse_settings
+    from kl_adapters.doctor.openrlhf import _strip_flag
+
+    for argv, _, _ in HAZARDS:
+        flag, rest = _strip_flag(argv)
+        if flag is None:
+            assert "refused" not in codes(doctor(*argv))
+            continue
+        try:
+            adapter.check_args(parse(rest)[0], parse_settings(flag))
+            refused = False
+        except ValueError:
+            refused = True
+        assert refused == ("refused" in codes(doctor(*argv))), argv
+
+
+def _apply(argv: list[str], fix_lines: tuple[str, ...]) -> list[str]:
+    """The fix's flags applied to an argument list (the first line names the launcher and the preset flag)."""
+    extra = ["--algo.kl.preset", fix_lines[0].rsplit(" ", 1)[1]]
+    for line in fix_lines[1:]:
+        if line.startswith("(drop "):
+            argv = [a for a in argv if a != line[6:-1]]
+        else:
+            extra += line.split()
+    drop = {a for a in extra if a.startswith("--")}
+    kept, skip = [], False
+    for a in argv:  # a flag the fix sets replaces the user's (with its value)
+        if skip and not a.startswith("--"):
+            continue
+        skip = a in drop
+        if not skip:
+            kept.append(a)
+    return kept + extra
+
+
+@pytest.mark.parametrize("argv", [LOSS, LOSS + ["--algo.kl.unbiased_gradient"], LOSS + ["--algo.kl.init_coef", "0"],
+                                  BASE + ["--train.max_epochs", "2"], BASE + ["--algo.kl.estimator", "k3"]])
+def test_fix_makes_it_unbiased(argv):
+    report = doctor(*argv)
+    assert report.verdict in ("biased", "no-op")
+    fixed = doctor(*_apply(argv, report.fix.lines))
+    assert fixed.verdict == "unbiased", (report.fix.lines, fixed.hazards)
+
+
+def test_vendored_example_script():
+    """OpenRLHF's examples/scripts/train_ppo_with_reward_fn.sh (0.11.0 repository): gae with a critic, k1 reward;
+    128 of 1024 samples per optimizer step, so off-policy, where reward-plain is biased."""
+    report = diagnose("openrlhf", [str(FIXTURES / "train_ppo_with_reward_fn.sh")], env={})
+    assert [p.native.preset for p in report.paths] == ["reward-plain"]
+    assert report.regimes == ("on-policy", "off-policy") and report.verdict == "biased"
+
+
+@pytest.mark.parametrize("argv, code", [
+    (BASE, 0), (LOSS, 1), (LOSS + ["--algo.kl.preset", "sequence"], 0), (LOSS + ["--algo.kl.init_coef", "0"], 1),
+    (BASE + ["--no_such_flag"], 2), (["--actor.model_name_or_path", "m", "--rollout.n_samples_per_prompt", "1",
+                                      "--algo.advantage.estimator", "rloo"], 2),
+])
+def test_exit_codes_and_json(argv, code, capsys):
+    assert main(["doctor", "openrlhf", "--json", *argv]) == code
+    captured = capsys.readouterr()
+    if code == 2:
+        assert "cannot read this openrlhf configuration" in captured.err
+        return
+    doc = json.loads(captured.out)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["exit_code"] == code

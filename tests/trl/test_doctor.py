@@ -1,0 +1,119 @@
+"""kl-adapters doctor on TRL 1.16: the ``trl grpo`` / ``trl rloo`` parser path (arguments, YAML via --config, an
+example script), every TRL hazard on a constructed config, the fix re-read, the JSON schema, the exit codes, and
+agreement with the adapter (its native preset, KLGRPOConfig's and RLOOTrainer's refusals)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kl_adapters.adapters import trl as adapter
+from kl_adapters.cli import main
+from kl_adapters.doctor import SCHEMA, diagnose
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "doctor" / "trl"
+
+
+def doctor(*argv: str, trainer: str = "grpo"):
+    return diagnose("trl", list(argv), trainer=trainer)
+
+
+def codes(report) -> dict[str, str]:
+    return {h.code: h.severity for h in report.hazards}
+
+
+def test_defaults_have_no_kl():
+    report = doctor()
+    assert report.verdict == "no-kl" and report.exit_code == 0 and report.version == "1.16.0" and report.tested
+
+
+@pytest.mark.parametrize("bias_correction, preset", [("true", "token"), ("false", "k3-loss")])
+def test_grpo_kl_loss_and_adapter_agree(bias_correction, preset):
+    """The doctor's preset is the adapter's native preset (its grad_weight_gap reference), which
+    tests/trl/test_grpo_gradients.py::test_token_preset_is_native_trl pins to TRL's own gradient."""
+    report = doctor("--beta", "0.04", "--use_bias_correction_kl", bias_correction)
+    (path,) = report.paths
+    assert path.path == "loss" and path.native.preset == preset and report.verdict == "biased"
+    trainer = SimpleNamespace(args=SimpleNamespace(use_bias_correction_kl=bias_correction == "true"))
+    assert adapter._native_preset(trainer) == preset
+
+
+@pytest.mark.parametrize("argv, trainer, code, severity", [
+    (["--kl_preset", "sequence"], "grpo", "zero-coefficient", "no-op"),
+    (["--beta", "0.04", "--loss_type", "grpo"], "grpo", "length-normalized", "bias"),
+    (["--beta", "0.04", "--loss_type", "sapo"], "grpo", "length-normalized", "bias"),
+    (["--beta", "0.04", "--importance_sampling_level", "sequence"], "grpo", "sequence-is", "bias"),
+    (["--beta", "0.04", "--use_vllm", "true", "--vllm_importance_sampling_correction", "true"], "grpo", "vllm-is",
+     "warning"),
+    (["--beta", "0.05", "--normalize_advantages", "true"], "rloo", "std-normalized-reward", "bias"),
+    (["--beta", "0.05", "--num_iterations", "2"], "rloo", "stale-kl-reward", "bias"),
+])
+def test_hazard(argv, trainer, code, severity):
+    report = doctor(*argv, trainer=trainer)
+    assert codes(report).get(code) == severity, report.hazards
+    assert report.exit_code == 1 or severity == "warning"
+
+
+def test_kl_preset_with_beta_zero_is_what_klgrpoconfig_refuses():
+    with pytest.raises(ValueError, match="silent no-op"):
+        adapter.KLGRPOConfig(kl_preset="sequence", beta=0.0, use_cpu=True)
+    assert doctor("--kl_preset", "sequence").verdict == "no-op"
+
+
+def test_off_policy_regimes():
+    assert doctor("--beta", "0.04").regimes == ("on-policy",)
+    report = doctor("--beta", "0.04", "--num_iterations", "2")
+    assert report.regimes == ("on-policy", "off-policy") and "num_iterations=2" in report.off_policy_reason
+    assert doctor("--beta", "0.04", "--gradient_accumulation_steps", "2", "--steps_per_generation", "4").regimes == (
+        "on-policy", "off-policy")
+
+
+def test_fix_makes_grpo_unbiased():
+    report = doctor("--beta", "0.04", "--loss_type", "grpo", "--num_iterations", "2")
+    assert report.fix.preset == "sequence" and any("--kl_preset sequence" in line for line in report.fix.lines)
+    fixed = doctor("--beta", "0.04", "--loss_type", "grpo", "--num_iterations", "2", "--kl_preset", "sequence")
+    assert fixed.verdict == "unbiased" and fixed.paths[0].native.preset == "sequence" and fixed.exit_code == 0
+    assert fixed.regimes == ("on-policy", "off-policy")
+
+
+def test_rloo_on_policy_is_unbiased_and_off_policy_refused_by_the_adapter():
+    """RLOO's k1-in-reward is exact on-policy (reward-sum); the settings the doctor calls biased are those
+    RLOOTrainer refuses under KL_ADAPTERS (adapters/trl.py::_check_rloo)."""
+    report = doctor("--beta", "0.05", trainer="rloo")
+    assert [p.native.preset for p in report.paths] == ["reward-sum"] and report.verdict == "unbiased"
+    for argv in (["--normalize_advantages", "true"], ["--num_iterations", "2"]):
+        assert doctor("--beta", "0.05", *argv, trainer="rloo").verdict == "biased"
+    assert doctor("--beta", "0", trainer="rloo").verdict == "no-kl"
+
+
+def test_yaml_config(tmp_path):
+    config = tmp_path / "grpo.yaml"
+    config.write_text("beta: 0.04\nloss_type: dr_grpo\nkl_preset: sequence\n")
+    report = diagnose("trl", [str(config)])
+    assert report.paths[0].native.preset == "sequence" and report.verdict == "unbiased"
+    config.write_text("beta: 0.04\nloss_type: grpo\n")
+    assert codes(diagnose("trl", [str(config)])) == {"length-normalized": "bias"}
+
+
+def test_example_script():
+    """TRL's examples/scripts/rloo.py (vendored, tests/fixtures/doctor/MANIFEST): RLOOConfig(...) literals with
+    gradient_accumulation_steps=2, steps_per_generation=8, i.e. one rollout for 4 optimizer steps."""
+    report = diagnose("trl", [str(FIXTURES / "rloo.py")])
+    assert [p.native.preset for p in report.paths] == ["reward-sum"] and report.paths[0].beta == 0.05
+    assert report.regimes == ("on-policy", "off-policy") and report.verdict == "biased"
+
+
+@pytest.mark.parametrize("argv, code", [
+    ([], 0), (["--beta", "0.04"], 1), (["--beta", "0.04", "--kl_preset", "sequence"], 0),
+    (["--kl_preset", "sequence"], 1), (["--beta", "0.04", "--no_such_flag", "1"], 2),
+    (["--beta", "0.04", "--kl_preset", "nope"], 2), (["--trainer", "ppo"], 2),
+])
+def test_exit_codes_and_json(argv, code, capsys):
+    assert main(["doctor", "trl", "--json", *argv]) == code
+    out = capsys.readouterr().out
+    if code != 2:
+        doc = json.loads(out)
+        assert doc["exit_code"] == code and set(doc) == set(SCHEMA["required"])

@@ -1,6 +1,13 @@
 """verl adapter: the chosen preset's exact KL gradient in verl's actor loss, and the exact KL reward path.
 
-Supported: verl 0.9.1 (other versions raise `UnsupportedFrameworkError` naming the range).
+Supported: the releases in versions.TESTED["verl"] (0.9.0, 0.9.1; others raise `UnsupportedFrameworkError` naming
+the range). Their KL code paths were diffed, not only tested: 0.9.0 -> 0.9.1 changes none of the functions patched here
+nor agg_loss / kl_penalty (only GSPO's policy-loss aggregation and profiling, outside the KL paths). verl 0.8.0 differs
+in three places, each handled below: get_ppo_ray_runtime_env() takes no config (`_Site.params_in`); agg_loss has no
+"token-sum" mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trainer is
+verl.trainer.main_ppo_sync, whose compute_advantage_for_multi_trajectories is wrapped like v1's. 0.8.0 stays off the
+tested list until that module is one of activation.ADAPTERS' triggers (else its GRPO advantages would overwrite the KL
+reward-to-go unpatched).
 
 Flag, verl's idiom (the estimator-name fields verl already has; Hydra accepts the new names as plain strings):
     actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>   actor KL loss (with actor.use_kl_loss=True)
@@ -41,16 +48,28 @@ token, as verl does for its policy loss (biased, as there). kld's value is the i
 estimate spread evenly over the sequence's tokens, so verl's ``actor/kl_loss`` reads as a KL (token-mean: per token;
 seq-mean-token-sum: per sequence). ``seq-mean-token-mean`` is refused: it optimizes a length-normalized KL.
 
-Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` preset only. verl's apply_kl_penalty runs with
+Batch statistics (the variance-reduced ``sequence`` / ``reward``): verl's actor micro-batches are small
+(``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out statistics (`kl_statistics`) come from the
+whole batch an actor worker trains on in one update: its data-parallel shard of the rollout batch, with the GRPO
+group (``uid``) when verl passes it. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
+mini-batches) to tag each row with its index; ppo_loss's micro-batch carries the tags, and `_micro_batch_statistics`
+computes the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass) and hands
+each micro-batch its rows' (tests/verl/test_loss_path.py::test_statistics_of_the_workers_batch_reach_each_shuffled_
+micro_batch; through the FSDP2 engine: tests/verl/test_engine.py). ppo_loss called outside such an update uses its own
+batch's statistics. On the reward path the statistics are computed on the whole rollout batch within each uid group.
+
+Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` and ``reward-plain`` presets. verl's apply_kl_penalty runs with
 its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update unchanged), but the advantage
-estimator is given the KL-free scores; afterwards ``-beta * sum_{s>=t} k1_s`` (`kl_reward(..., to_go=True)`, k1 from
-``old_log_probs``, beta = kl_ctrl.value) is added to the advantages. The KL is therefore never divided by GRPO's group
+estimator is given the KL-free scores; afterwards ``-beta * c_t`` (the preset's on-policy weight: ``sum_{s>=t} k1_s``
+for reward-plain, its variance-reduced form for reward; k1 from ``old_log_probs``, beta = kl_ctrl.value) is added to
+the advantages. The KL is therefore never divided by GRPO's group
 std nor collapsed to a sequence sum, whatever ``adv_estimator`` is; beta keeps its meaning of a per-token reward
 coefficient on the raw reward scale (tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation).
 
 verl's ``full`` estimator raises NotImplementedError upstream; the adapter does not offer an analytic KL (ppo_loss
 never receives the full-vocabulary logits) and refuses ``full`` when a flag would replace it.
 Metrics added beside verl's: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate) and, on the loss path,
+``kl_adapters/is_ess`` (effective sample size of the per-decision importance weights, 1 on-policy: `KLTerm.is_ess`),
 ``kl_adapters/grad_weight_gap`` = sum|c_native - c_preset| / sum|c_preset| (c_native: the per-token weight of verl's
 own ``kl_loss_type``, verl's default low_var_kl for kl_adapters: names, ignoring its +-10 clamp; 0 = no difference).
 """
@@ -64,14 +83,15 @@ import sys
 import threading
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from .. import activation, native
 from ..activation import ENV_VAR, Settings, parse
 from ..presets import get_preset
-from ..surrogate import kl_reward, kl_term, sequence_kl
+from ..surrogate import kl_coefficients, kl_statistics, kl_term, sequence_kl
+from ..reductions import KLStatistics
 from ._guard import UnsupportedFrameworkError, require_version
 from .versions import supported_range
 
@@ -80,6 +100,13 @@ PREFIX = "kl_adapters:"
 _ORIGINAL = "__kl_adapters_original__"
 #: DataProto.meta_info key: the KL beta handed from apply_kl_penalty to the advantage step
 _REWARD_BETA = "kl_adapters/reward_beta"
+#: DataProto.meta_info key: the reward-path preset ("reward" or "reward-plain"), handed along with the beta
+_REWARD_PRESET = "kl_adapters/reward_preset"
+#: presets the reward path implements (a detached KL reward-to-go in the advantages)
+_REWARD_PRESETS = ("reward", "reward-plain")
+#: TensorDict key added to the batch an actor worker trains on: each row's index in it, carried by verl into every
+#: shuffled mini-batch and micro-batch, so that ppo_loss can look up the rows' batch statistics
+_ROW = "kl_adapters_row"
 
 _FULL = ("verl's kl estimator 'full' (analytic KL) raises NotImplementedError in verl 0.9.1, and kl-adapters does not "
          "offer it (ppo_loss never receives the full-vocabulary logits). Use kl_adapters:sequence, the exact "
@@ -114,10 +141,11 @@ def check_loss_settings(settings: Settings, loss_agg_mode: str) -> None:
 
 
 def check_reward_settings(settings: Settings) -> None:
-    """The reward path implements exactly the `reward` preset (a detached KL reward cannot carry another gradient)."""
-    if settings.preset != "reward":
+    """The reward path implements the `reward` presets only (a detached KL reward cannot carry another gradient)."""
+    if settings.preset not in _REWARD_PRESETS:
         raise ValueError(f"verl's KL-in-reward path (algorithm.use_kl_in_reward=True) implements only the 'reward' "
-                         f"preset, got {settings.preset!r}: use kl_adapters:reward there, or put preset "
+                         f"and 'reward-plain' presets, got {settings.preset!r}: use kl_adapters:reward there, or put "
+                         f"preset "
                          f"{settings.preset!r} in the actor loss (actor_rollout_ref.actor.use_kl_loss=True, "
                          f"kl_loss_type=kl_adapters:{settings.preset}, algorithm.use_kl_in_reward=False)")
     if settings.is_clip is not None:
@@ -189,9 +217,13 @@ class _Captured:
     response_mask: Tensor
     rollout_is_weights: Tensor | None
     native: str | None  # preset with the gradient of verl's own kl_loss_type, if one has it
+    rows: Tensor | None  # the micro-batch's row indices in the worker's batch (`_ROW`), if verl's update tagged them
 
 
-_local = threading.local()  # .captured: _Captured | None, .metrics: dict | None (one ppo_loss call at a time)
+#: per thread (one actor update and one ppo_loss call at a time): .captured (_Captured | None), .metrics (dict | None),
+#: .rows (this ppo_loss call's `_ROW` indices), .batch (the worker's tagged batch until its statistics are computed),
+#: .statistics (KLStatistics of that batch)
+_local = threading.local()
 
 
 def _native_preset(kl_loss_type: str) -> str | None:
@@ -211,7 +243,7 @@ def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:
             settings = None if config is None else _loss_settings(config)
             _local.captured = None if settings is None else _Captured(
                 settings, kwargs["log_prob"], kwargs["old_log_prob"], kwargs["response_mask"].bool(),
-                kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type))
+                kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type), getattr(_local, "rows", None))
             return policy_loss_fn(*args, **kwargs)
 
         return policy_loss
@@ -241,18 +273,24 @@ def _kl_term(original: Callable) -> Callable:
 
 def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     """Per-token KL term for verl's agg_loss: gradient w_t * c_t * grad log_prob_t, value = the sequence's
-    (importance-weighted) KL estimate spread evenly over its tokens. Zero at padding. Also returns the metrics."""
+    (importance-weighted) KL estimate spread evenly over its tokens. Zero at padding. Also returns the metrics.
+
+    Reduced presets take their statistics from the worker's whole batch (`_micro_batch_statistics`) when verl's
+    update tagged the rows, else (ppo_loss called on its own) from this micro-batch, leave-one-out over its rows."""
     from verl.utils.metric import AggregationType, Metric
 
     mask = c.response_mask
+    statistics = None
+    if get_preset(c.settings.preset).uses_batch_statistics and c.rows is not None:
+        statistics = _micro_batch_statistics(c.rows, mask.shape[1])
     kl = kl_term(c.log_prob, ref_log_prob, mask, preset=c.settings.preset, old_logp=c.old_log_prob,
-                 is_clip=c.settings.is_clip)
+                 is_clip=c.settings.is_clip, statistics=statistics)
     coef, seq_kl, lp = kl.coefficients, kl.sequence_kl, kl.logp
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     term = seq_kl[:, None] * mask / lengths + coef * (lp - lp.detach())
     if c.rollout_is_weights is not None:
         term = term * c.rollout_is_weights.detach().to(term.dtype)
-    metrics = {"kl_adapters/seq_kl": seq_kl.mean().item()}
+    metrics = {"kl_adapters/seq_kl": seq_kl.mean().item(), "kl_adapters/is_ess": kl.is_ess.item()}
     if c.native is not None:
         native = kl.coefficients_of(c.native, on_policy=True)
         gap = (native - coef).abs().sum() / coef.abs().sum().clamp(min=1e-30)
@@ -261,17 +299,70 @@ def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
 
 
 def _with_metrics(ppo_loss: Callable) -> Callable:
-    """Wrap ppo_loss: start each call with no captured tensors, and add the kl_adapters/* metrics of its KL term."""
+    """Wrap ppo_loss: start each call with no captured tensors and the micro-batch's `_ROW` indices (if tagged), and
+    add the kl_adapters/* metrics of its KL term."""
 
-    def patched(*args, **kwargs):
+    def patched(config, model_output, data, *args, **kwargs):
         _local.captured = _local.metrics = None
-        loss, metrics = ppo_loss(*args, **kwargs)
+        _local.rows = data[_ROW] if _ROW in data.keys() else None
+        loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
         extra, _local.metrics = getattr(_local, "metrics", None), None
         if extra:
             metrics.update(extra)
         return loss, metrics
 
     return patched
+
+
+def _tag_rows(make_iterator: Callable) -> Callable:
+    """Wrap verl's tensordict_utils.make_iterator, with which TrainingWorker.train_mini_batch splits the batch an actor
+    worker trains on (its data-parallel shard of the whole rollout batch, every PPO epoch) into shuffled mini-batches,
+    that the engine splits into micro-batches for ppo_loss. A batch holding the KL loss's inputs gets a `_ROW` column
+    (its row indices; verl slices and shuffles it with the rows) and is kept until ppo_loss first needs its statistics.
+    ppo_loss reads only the fields it selects, so the extra column changes no output of verl's own code."""
+
+    def patched(tensordict, *args, **kwargs):
+        keys = set(tensordict.keys())
+        if {"old_log_probs", "ref_log_prob", "response_mask"} <= keys and _ROW not in keys:
+            import torch
+
+            tensordict[_ROW] = torch.arange(tensordict.batch_size[0])
+            _local.batch, _local.statistics = tensordict, None
+        return make_iterator(tensordict, *args, **kwargs)
+
+    return patched
+
+
+def _micro_batch_statistics(rows: Tensor, width: int) -> KLStatistics:
+    """The reduced presets' statistics of a micro-batch's rows, computed once per actor update from the worker's whole
+    batch: kl_statistics(old_log_probs, ref_log_prob, response_mask, group=GRPO uid when verl passes it), i.e. from
+    the behaviour log-probs of the OTHER rows only (leave-one-out), so the gradient stays unbiased whatever the
+    current policy (reductions.py). Cropped to the micro-batch's padded width (rows are left-aligned)."""
+    if getattr(_local, "statistics", None) is None:
+        batch = getattr(_local, "batch", None)
+        if batch is None:
+            raise UnsupportedFrameworkError("ppo_loss received kl_adapters row indices but no actor batch was tagged "
+                                            "in this worker thread: this verl code path is not the tested one")
+        padded = batch.select("old_log_probs", "ref_log_prob", "response_mask").to_padded_tensor()
+        mask = padded["response_mask"].bool()
+        statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask,
+                                   group=_group_ids(batch, mask.device))
+        _local.statistics, _local.batch = statistics, None
+    rows_here = _local.statistics[rows.to(_local.statistics.cv_coef.device)]
+    return KLStatistics(rows_here.cv_coef.to(rows.device), rows_here.baseline[:, :width].to(rows.device))
+
+
+def _group_ids(batch, device) -> Tensor | None:
+    """[B] integer ids of verl's "uid" column (the GRPO prompt group), or None where the batch does not carry it."""
+    if "uid" not in batch.keys():
+        return None
+    import numpy as np
+    import torch
+
+    values = batch.get("uid")
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    inverse = np.unique(np.asarray(values, dtype=object), return_inverse=True)[1]
+    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
 
 
 # --------------------------------------------------------------------------------------------------- reward path
@@ -287,7 +378,7 @@ def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
             return apply_kl_penalty(data, kl_ctrl, kl_penalty=kl_penalty)
         beta = float(kl_ctrl.value)  # the value verl applies in this call (it updates kl_ctrl afterwards)
         data, metrics = apply_kl_penalty(data, kl_ctrl, kl_penalty="k1")
-        data.meta_info[_REWARD_BETA] = beta
+        data.meta_info[_REWARD_BETA], data.meta_info[_REWARD_PRESET] = beta, settings.preset
         batch = data.batch
         metrics["kl_adapters/seq_kl"] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
                                                     batch["response_mask"]).mean().item()
@@ -298,19 +389,27 @@ def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
 
 def _advantage_then_kl(compute_advantage: Callable) -> Callable:
     """Wrap an advantage function: the estimator sees the KL-free scores, then the KL reward-to-go is added to the
-    advantages: A_t <- A_t(scores) - beta * sum_{s>=t} k1_s (after any group/batch normalisation)."""
+    advantages (after any group/batch normalisation): A_t <- A_t(scores) - beta * c_t, with c_t the on-policy
+    per-token weight of the preset on the whole batch (`kl_coefficients(old_log_probs, ref_log_prob, mask)`):
+        reward-plain  c_t = sum_{s>=t} k1_s
+        reward        c_t = k1_t + sum_{s>t} (k1_s + a (r_s - 1)) - b_t, a and b_t leave-one-out over the other rows
+                      of the same GRPO group (verl's uid), else of the whole batch (reductions.py)."""
 
     def patched(data, *args, **kwargs):
         beta = data.meta_info.pop(_REWARD_BETA, None)
+        preset = data.meta_info.pop(_REWARD_PRESET, "reward")
         if beta is None:
             return compute_advantage(data, *args, **kwargs)
         penalized = data.batch["token_level_rewards"]
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
         data = compute_advantage(data, *args, **kwargs)
         batch = data.batch
-        kl_to_go = kl_reward(batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"], beta=beta,
-                             to_go=True)
-        batch["advantages"] = batch["advantages"] + kl_to_go.to(batch["advantages"].dtype)
+        mask = batch["response_mask"].bool()
+        group = None
+        if get_preset(preset).uses_batch_statistics and "uid" in data.non_tensor_batch:
+            group = _group_ids({"uid": data.non_tensor_batch["uid"]}, mask.device)
+        coefficients = kl_coefficients(batch["old_log_probs"], batch["ref_log_prob"], mask, preset=preset, group=group)
+        batch["advantages"] = batch["advantages"] - beta * coefficients.to(batch["advantages"].dtype)
         batch["token_level_rewards"] = penalized  # verl's k1-penalized rewards, for its reward metrics
         return data
 
@@ -323,8 +422,8 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
 def _forward_env(get_ppo_ray_runtime_env: Callable) -> Callable:
     """Add the active KL_ADAPTERS to the Ray job's runtime_env, so every worker on every node activates."""
 
-    def patched(config=None):
-        return activation.with_kl_adapters_env(get_ppo_ray_runtime_env(config))
+    def patched(*args, **kwargs):  # verl 0.8.0: get_ppo_ray_runtime_env(); 0.9.0 added (config=None)
+        return activation.with_kl_adapters_env(get_ppo_ray_runtime_env(*args, **kwargs))
 
     return patched
 
@@ -352,23 +451,40 @@ class _Site:
     #: also rebind `from module import name` copies in verl modules already loaded (never for kl_penalty and
     #: get_policy_loss_fn: losses' copies are the only ones ppo_loss uses; core_algos' serve other paths)
     everywhere: bool = True
+    #: releases whose function has other leading parameters than 0.9.1's: release -> those parameters
+    params_in: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: the module holding the function when it is not the trigger itself (one the trigger has imported)
+    module: str | None = None
+
+    def expected_params(self, version: str) -> tuple[str, ...]:
+        return self.params_in.get(version, self.params)
 
 
 #: trigger module -> functions patched when it is imported (the same module names are the "verl" triggers of
 #: kl_adapters.activation.ADAPTERS)
 SITES: dict[str, tuple[_Site, ...]] = {
     "verl.utils.config": (_Site("validate_config", ("config", "use_reference_policy", "use_critic"), _validate_first),),
-    "verl.trainer.constants_ppo": (_Site("get_ppo_ray_runtime_env", ("config",), _forward_env),),
+    # verl 0.8.0: get_ppo_ray_runtime_env() takes no config (0.9.0 added it for per-engine env vars)
+    "verl.trainer.constants_ppo": (_Site("get_ppo_ray_runtime_env", ("config",), _forward_env,
+                                         params_in={"0.8.0": ()}),),
     "verl.workers.utils.losses": (
         _Site("get_policy_loss_fn", ("name",), _capture_policy_loss, everywhere=False),
         _Site("kl_penalty", ("logprob", "ref_logprob", "kl_penalty"), _kl_term, everywhere=False),
         _Site("ppo_loss", ("config", "model_output", "data", "dp_group"), _with_metrics),
+        _Site("make_iterator", ("tensordict", "mini_batch_size", "epochs"), _tag_rows, everywhere=False,
+              module="verl.utils.tensordict_utils"),
     ),
     "verl.trainer.ppo.ray_trainer": (
         _Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward),
         _Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl),
     ),
+    # the TransferQueue trainer's advantage step: it broadcasts GRPO's advantage of each session's final output to
+    # every row, overwriting what the inner compute_advantage added, so it is wrapped itself. verl 0.9.x: in the v1
+    # trainer's utils; verl 0.8.0 (no v1 package): defined in its TransferQueue trainer module main_ppo_sync
     "verl.trainer.ppo.v1.utils": (
+        _Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl),
+    ),
+    "verl.trainer.main_ppo_sync": (
         _Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl),
     ),
 }
@@ -383,21 +499,22 @@ def _is_ours(fn: object) -> bool:
 
 
 def patch(trigger: str) -> None:
-    """Wrap the functions of `SITES[trigger]` (idempotent). Refuses verl versions other than 0.9.1, and functions
-    whose signature differs from 0.9.1's, with UnsupportedFrameworkError. Copies made by `from <trigger> import name`
+    """Wrap the functions of `SITES[trigger]` (idempotent). Refuses verl versions not in versions.TESTED, and
+    functions whose signature differs from the tested one of that release, with UnsupportedFrameworkError. Copies made by `from <trigger> import name`
     in verl modules loaded before this call are rebound too (the import-site binding pitfall), except kl_penalty and
     get_policy_loss_fn, which are wrapped only where ppo_loss looks them up."""
     version = require_version("verl")
-    module = sys.modules[trigger]
     for site in SITES[trigger]:
+        module = sys.modules[site.module or trigger]
         original = getattr(module, site.name, None)
         if _is_ours(original):
             continue
-        params = tuple(inspect.signature(original).parameters) if callable(original) else ()
-        if params[: len(site.params)] != site.params:
+        params = tuple(inspect.signature(original).parameters) if callable(original) else None
+        expected = site.expected_params(version)
+        if params is None or params[: len(expected)] != expected:
             raise UnsupportedFrameworkError(
-                f"verl {version}: {trigger}.{site.name}{params} is not the function kl-adapters was tested with "
-                f"({supported_range('verl')}, parameters {site.params})")
+                f"verl {version}: {module.__name__}.{site.name}{params or ''} is not the function kl-adapters was tested "
+                f"with ({supported_range('verl')}, parameters {expected})")
         wrapper = functools.wraps(original)(site.wrap(original))
         setattr(wrapper, _ORIGINAL, original)
         targets = _verl_modules() if site.everywhere else [module]

@@ -11,7 +11,7 @@ from __future__ import annotations
 #: framework (its pip distribution name) -> releases whose adapter tests ran green, oldest first
 TESTED: dict[str, tuple[str, ...]] = {
     "trl": ("1.16.0",),
-    "verl": ("0.9.1",),
+    "verl": ("0.9.0", "0.9.1"),
     "openrlhf": ("0.11.2",),
 }
 

@@ -15,12 +15,16 @@ import pytest  # noqa: E402
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 
-import verl.trainer.ppo.ray_trainer  # noqa: E402,F401  (the entry point patches each trigger as it is imported)
-import verl.trainer.ppo.v1.utils  # noqa: E402,F401
-import verl.workers.utils.losses  # noqa: E402,F401
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
 
 from kl_adapters import activation  # noqa: E402
 from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
+
+# the entry point patches each trigger as it is imported; a release lacks some (verl 0.8.0: no v1 trainer)
+for _trigger in ("verl.workers.utils.losses", "verl.trainer.ppo.ray_trainer", *verl_adapter.SITES):
+    if importlib.util.find_spec(_trigger.rsplit(".", 1)[0]) and importlib.util.find_spec(_trigger):
+        importlib.import_module(_trigger)
 
 
 def repatch() -> None:

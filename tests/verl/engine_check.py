@@ -49,7 +49,8 @@ from verl.workers.utils import losses  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 from verl_cases import VOCAB, make_tokens, tiny_llama  # noqa: E402
 
-from kl_adapters import kl_surrogate, per_sequence_beta  # noqa: E402
+from kl_adapters import get_preset, kl_statistics, kl_surrogate, per_sequence_beta  # noqa: E402
+from kl_adapters.reductions import KLStatistics  # noqa: E402
 
 COEF, MINI, MICRO = 0.5, 8, 4
 
@@ -113,9 +114,12 @@ def params(worker):
                       for p in worker.engine.module.parameters()])
 
 
-def oracle(config_without_kl, preset):
-    """verl's ppo_loss without KL, plus kl_surrogate with verl's global token count (one micro-batch at a time)."""
+def oracle(config_without_kl, preset, old, ref):
+    """verl's ppo_loss without KL, plus kl_surrogate with verl's global token count (one micro-batch at a time) and,
+    for the reduced presets, the rows' statistics of the whole batch: kl_statistics(old, ref, mask) of all B rows.
+    Each micro-batch row is found in the batch by its behaviour log-probs (independently of the adapter's row tags)."""
     upstream = losses.ppo_loss.__kl_adapters_original__
+    statistics = kl_statistics(old, ref, tokens["response_mask"].bool())
 
     def loss_fn(model_output, data, dp_group=None):
         loss, metrics = upstream(config_without_kl, model_output, data, dp_group)
@@ -123,8 +127,13 @@ def oracle(config_without_kl, preset):
         td = data.select("response_mask", "old_log_probs", "ref_log_prob").to_padded_tensor()
         mask = td["response_mask"].bool()
         beta = per_sequence_beta(COEF, mask, "token-mean", num_tokens=data["batch_num_tokens"] / data["dp_size"])
+        width = mask.shape[1]
+        rows = (td["old_log_probs"][:, None].cpu() == old[None, :, :width]).all(-1).float().argmax(1)
+        rows_statistics = statistics[rows]
+        kl_kwargs = {} if not get_preset(preset).uses_batch_statistics else {"statistics": KLStatistics(
+            rows_statistics.cv_coef.to(lp.device), rows_statistics.baseline[:, :width].to(lp.device))}
         return loss + kl_surrogate(lp, td["ref_log_prob"], mask, preset=preset, beta=beta,
-                                   old_logp=td["old_log_probs"]), metrics
+                                   old_logp=td["old_log_probs"], **kl_kwargs), metrics
 
     return loss_fn
 
@@ -148,7 +157,8 @@ def main():
     step_flagged = theta0 - params(worker)
     worker.reset()  # reload the initial weights
     assert torch.equal(params(worker), theta0)
-    reference = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset), old, ref, adv)
+    reference = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref),
+                      old, ref, adv)
     step_oracle = theta0 - params(worker)
     worker.reset()
     train(worker, partial(losses.ppo_loss, config=actor_config("low_var_kl", use_kl_loss=False)),
@@ -160,7 +170,7 @@ def main():
     for _ in range(args.steps):
         m = train(adam, partial(losses.ppo_loss, config=actor_config(f"kl_adapters:{args.preset}")), old, ref, adv)
         history.append({k: m[k] for k in ("loss", "grad_norm", "kl_loss", "kl_adapters/seq_kl",
-                                          "kl_adapters/grad_weight_gap") if k in m})
+                                          "kl_adapters/grad_weight_gap", "kl_adapters/is_ess") if k in m})
     kl_part = step_oracle - step_task
     result = {
         "kl_rel_error": float((step_flagged - step_oracle).norm() / kl_part.norm()),

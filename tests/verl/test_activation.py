@@ -5,6 +5,7 @@ code-path guards."""
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from kl_adapters import activation
 from kl_adapters.adapters import _guard, verl_plugin
 from kl_adapters.adapters import verl as verl_adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
+from kl_adapters.adapters.versions import supported_range
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -60,6 +62,8 @@ def probes(tmp_path_factory) -> dict:
     return results
 
 
+@pytest.mark.xfail(strict=True, reason="activation.ADAPTERS['verl'] lacks the trigger 'verl.trainer.main_ppo_sync' (verl "
+                   "0.8.0's TransferQueue trainer; requested from the lead): verl 0.8.0 stays off versions.TESTED")
 def test_triggers_are_the_patched_modules():
     assert set(activation.ADAPTERS["verl"][1]) == set(verl_adapter.SITES)
 
@@ -100,7 +104,8 @@ def verl_version(monkeypatch):
 def test_untested_verl_version_is_refused(verl_version, monkeypatch):
     verl_adapter.unpatch()
     verl_version("0.9.2")
-    with pytest.raises(UnsupportedFrameworkError, match=r"supports verl 0\.9\.1 .* found verl==0\.9\.2"):
+    expected = re.escape(supported_range("verl")) + r" .* found verl==0\.9\.2"
+    with pytest.raises(UnsupportedFrameworkError, match=expected):
         verl_adapter.patch("verl.workers.utils.losses")
     with pytest.raises(UnsupportedFrameworkError):
         activation.enable("sequence")  # an explicit activation fails loudly

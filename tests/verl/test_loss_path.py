@@ -7,14 +7,18 @@ Identity checked, per preset p with weights c (the preset's per-token gradient w
                   = grad task + grad kl_surrogate(..., preset=p, beta=beta_seq, old_logp=old_log_probs).
 """
 
+import importlib.metadata
+
 import pytest
 import torch
-from verl_cases import Case, R, actor_config, flat_grad, padded
+from verl_cases import Case, R, actor_config, flat_grad, flat_log_probs, padded
 
-from kl_adapters import PRESETS, activation, kl_surrogate, per_sequence_beta, sequence_kl
+from kl_adapters import PRESETS, activation, kl_statistics, kl_surrogate, per_sequence_beta, sequence_kl
 from kl_adapters.adapters import verl as verl_adapter
 
-MODES = ("token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
+#: verl 0.8.0's agg_loss has no "token-sum" mode (verl raises ValueError for it; 0.9.0 added it, times dp_size)
+TOKEN_SUM = pytest.mark.skipif(importlib.metadata.version("verl") == "0.8.0", reason="verl 0.8.0 has no token-sum")
+MODES = ("token-mean", "seq-mean-token-sum", pytest.param("token-sum", marks=TOKEN_SUM), "seq-mean-token-sum-norm")
 COEF = 0.3
 
 
@@ -43,17 +47,22 @@ def on_policy():
     return Case(seed=1, on_policy=True)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_gradient_is_task_plus_kl_surrogate(off_policy, preset, mode):
+    """ppo_loss called on its own (no actor update around it): the reduced presets take their statistics from this
+    batch, leave-one-out over its rows, as kl_surrogate does by default."""
     case = off_policy
     flagged, _, metrics = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}", loss_agg_mode=mode))
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False, loss_agg_mode=mode))
     kl = case.surrogate_grad(preset=preset, beta=beta_seq(case, mode))
     assert_kl_part(flagged, task, kl)
-    assert {"actor/pg_loss", "kl_loss", "kl_coef", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap"} <= set(metrics)
+    assert {"actor/pg_loss", "kl_loss", "kl_coef", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap",
+            "kl_adapters/is_ess"} <= set(metrics)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["sequence", "reward", "token"])
 def test_on_policy_gradient(on_policy, preset):
     case = on_policy
@@ -62,8 +71,9 @@ def test_on_policy_gradient(on_policy, preset):
     assert_kl_part(flagged, task, case.surrogate_grad(preset=preset, beta=beta_seq(case, "token-mean")))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mode, dp_size", [("token-mean", 1), ("token-mean", 2), ("seq-mean-token-sum", 1),
-                                           ("seq-mean-token-sum", 2), ("token-sum", 2)])
+                                           ("seq-mean-token-sum", 2), pytest.param("token-sum", 2, marks=TOKEN_SUM)])
 def test_micro_batch_keeps_verls_normaliser(off_policy, mode, dp_size):
     """One micro-batch of a mini-batch 3x larger, on one of dp_size ranks: verl's agg_loss divides by the global
     counts and multiplies by dp_size; the KL term shares that divisor D, i.e. beta_seq = kl_loss_coef * B / D with
@@ -98,8 +108,10 @@ def test_sequence_level_rollout_is_weights_reweight_each_sequence(off_policy):
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False), rollout_is_weights=weights)
     lp = padded(case.log_probs(), case.tokens)
     beta = COEF / mask.sum()  # per_sequence_beta(COEF, one row, "token-mean", num_tokens=N)
+    stats = kl_statistics(lp.detach(), case.ref, mask, old_logp=case.old)  # the batch's own, as ppo_loss alone uses
     kl = sum(weights[b, 0] * kl_surrogate(lp[b:b + 1], case.ref[b:b + 1], mask[b:b + 1], preset="sequence",
-                                           beta=beta, old_logp=case.old[b:b + 1]) for b in range(mask.shape[0]))
+                                           beta=beta, old_logp=case.old[b:b + 1], statistics=stats[b:b + 1])
+             for b in range(mask.shape[0]))
     assert_kl_part(flagged, task, flat_grad(kl, case.model))
 
 
@@ -115,6 +127,7 @@ def test_environment_flag_replaces_verls_estimator(off_policy):
     assert_kl_part(by_name, task, case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean")))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("kl_loss_type", ["low_var_kl", "k1", "k2", "k3+", "abs"])
 def test_flag_off_is_bit_identical_to_upstream(off_policy, kl_loss_type):
     case = off_policy
@@ -175,3 +188,51 @@ def test_non_finite_reference_log_prob_is_a_clear_error(off_policy):
     case.ref[0, 0] = float("nan")
     with pytest.raises(ValueError, match="ref_logp has non-finite values"):
         case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"))
+
+
+def shuffled_update_grads(case: Case, config, *, uid=None, mini_batch: int = 2, untag: bool = False) -> torch.Tensor:
+    """What TrainingWorker.train_mini_batch does with the worker's batch: verl's make_iterator splits it into shuffled
+    mini-batches, ppo_loss runs on each (global token count: one optimizer step's normaliser); summed gradient.
+    untag: drop the adapter's row column from each mini-batch (ppo_loss then falls back to the micro-batch's own)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils import losses
+
+    data = case.data()
+    if uid is not None:
+        data["uid"] = uid
+    total = 0
+    for part in tu.make_iterator(data, mini_batch_size=mini_batch, epochs=1, seed=0,
+                                 dataloader_kwargs={"shuffle": True}):
+        if untag:
+            part = part.exclude(verl_adapter._ROW)
+        loss, _ = losses.ppo_loss(config, {"log_probs": flat_log_probs(case.model, part)}, part)
+        total = total + flat_grad(loss, case.model)
+    return total
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("grouped", [False, True])
+def test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch(off_policy, grouped):
+    """Micro-batches of 2 rows, shuffled by verl: each row's KL term uses the statistics of the WHOLE batch the worker
+    trains on (leave-one-out over its other rows, or within its GRPO group when verl's uid is in the batch), from the
+    behaviour log-probs, i.e. grad = task + kl_surrogate(full batch, statistics=kl_statistics(old_log_probs, ...))."""
+    case = off_policy
+    mask = case.tokens["response_mask"]
+    uid = [f"p{i // 4}" for i in range(mask.shape[0])] if grouped else None
+    group = torch.arange(mask.shape[0]) // 4 if grouped else None
+    flagged = shuffled_update_grads(case, actor_config(kl_loss_type="kl_adapters:sequence"), uid=uid)
+    task = shuffled_update_grads(case, actor_config(use_kl_loss=False), uid=uid)
+    stats = kl_statistics(case.old, case.ref, mask, group=group)
+    expected = case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"), statistics=stats)
+    assert_kl_part(flagged, task, expected)
+    own = shuffled_update_grads(case, actor_config(kl_loss_type="kl_adapters:sequence"), uid=uid, untag=True)
+    assert ((own - flagged).norm() / (flagged - task).norm()) > 1e-2  # 2-row statistics: another (noisier) estimate
+
+
+@pytest.mark.compat
+def test_flag_off_update_is_bit_identical_with_the_row_column(off_policy):
+    """The row column the adapter adds to the worker's batch changes nothing verl computes with the flag off."""
+    config = actor_config(kl_loss_type="low_var_kl")
+    ours = shuffled_update_grads(off_policy, config)
+    verl_adapter.unpatch()
+    assert torch.equal(ours, shuffled_update_grads(off_policy, config))

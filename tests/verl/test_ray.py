@@ -38,4 +38,4 @@ def test_ray_workers_run_the_patched_loss(monkeypatch):
     for result in (env_result, name_result):
         assert result["pid"] != os.getpid() and result["patched"]
         assert result["kl_error"] < 1e-4
-        assert result["metrics"] == ["kl_adapters/grad_weight_gap", "kl_adapters/seq_kl"]
+        assert result["metrics"] == ["kl_adapters/grad_weight_gap", "kl_adapters/is_ess", "kl_adapters/seq_kl"]

@@ -1,19 +1,22 @@
 """verl's KL-in-reward path (apply_kl_penalty -> advantage estimator) under the `reward` preset, with verl's own
 functions as each trainer binds them (v0 ray_trainer, v1 trainer_base, experimental separation).
 
-Identity checked: advantages = estimator(KL-free scores) - beta * sum_{s>=t} k1_s, i.e. the KL reward-to-go is added
-after any normalisation, so GRPO's per-group std never rescales it; through verl's PG loss on-policy this is exactly
-the gradient of kl_surrogate(preset="reward", beta=per_sequence_beta(beta, mask, "token-mean")).
+Identity checked: advantages = estimator(KL-free scores) - beta * c_t, c_t the on-policy weight of the preset on the
+whole batch (reward: leave-one-out statistics within each GRPO group, verl's uid; reward-plain: sum_{s>=t} k1_s), i.e.
+the KL reward-to-go is added after any normalisation, so GRPO's per-group std never rescales it; through verl's PG loss
+on-policy this is exactly the gradient of kl_surrogate(preset, beta=per_sequence_beta(beta, mask, "token-mean"),
+group=uid).
 """
 
 import importlib
+import importlib.util
 
 import numpy as np
 import pytest
 import torch
 from verl_cases import Case, actor_config
 
-from kl_adapters import activation, kl_reward, per_sequence_beta
+from kl_adapters import activation, kl_coefficients, kl_reward, per_sequence_beta
 from kl_adapters.adapters import verl as verl_adapter
 
 BETA = 0.1
@@ -38,9 +41,12 @@ def reward_batch(case: Case):
 
 SITES = {  # trainer module -> the advantage function its fit loop calls after apply_kl_penalty
     "v0": ("verl.trainer.ppo.ray_trainer", "compute_advantage"),
-    "v1": ("verl.trainer.ppo.v1.trainer_base", "compute_advantage_for_multi_trajectories"),
+    # verl 0.9.x: the v1 (TransferQueue) trainer; verl 0.8.0 has no v1 package, its TransferQueue trainer is main_ppo_sync
+    "v1": ("verl.trainer.ppo.v1.trainer_base" if importlib.util.find_spec("verl.trainer.ppo.v1")
+           else "verl.trainer.main_ppo_sync", "compute_advantage_for_multi_trajectories"),
     "separation": ("verl.experimental.separation.ray_trainer", "compute_advantage"),
 }
+GROUPS = torch.arange(8) // G  # the uid of reward_batch's rows as integer ids
 
 
 def run(site: str, kl_penalty: str | None, estimator: str, case: Case, *, kl_ctrl=None):
@@ -67,10 +73,22 @@ def case():
     return Case(seed=2, on_policy=True)
 
 
-def kl_to_go(case):
-    return kl_reward(case.old, case.ref, case.tokens["response_mask"], beta=BETA, to_go=True)
+def kl_to_go(case, preset="reward"):
+    """What the adapter adds to the advantages: -beta * the preset's on-policy weight, statistics within each group."""
+    group = GROUPS if preset == "reward" else None
+    return -BETA * kl_coefficients(case.old, case.ref, case.tokens["response_mask"], preset=preset, group=group)
 
 
+def test_reward_plain_adds_the_k1_reward_to_go(case):
+    """`reward-plain`: the unreduced k1 reward-to-go, -beta * sum_{s>=t} k1_s."""
+    ours, _ = run("v0", "kl_adapters:reward-plain", "grpo", case)
+    scores_only, _ = run("v0", None, "grpo", case)
+    plain = kl_reward(case.old, case.ref, case.tokens["response_mask"], beta=BETA, to_go=True)
+    torch.testing.assert_close(ours.batch["advantages"], scores_only.batch["advantages"] + plain, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(kl_to_go(case, "reward-plain"), plain)
+
+
+@pytest.mark.compat
 @pytest.mark.parametrize("site, estimator", [("v0", "grpo"), ("v0", "rloo"), ("v0", "reinforce_plus_plus"),
                                              ("v1", "grpo"), ("separation", "grpo")])
 def test_reward_kl_added_after_grpo_normalisation(case, site, estimator):
@@ -97,19 +115,22 @@ def test_verls_reward_metrics_rewards_and_controller_are_its_k1_ones(case):
     assert data.meta_info["kl_adapters/reward_beta"] == BETA  # the beta of this step, before the controller update
 
 
+@pytest.mark.compat
 def test_policy_gradient_equals_kl_surrogate_reward_preset(case):
-    """Through verl's PG loss (vanilla, on-policy: ratio 1), the added advantages give grad kl_surrogate("reward")."""
+    """Through verl's PG loss (vanilla, on-policy: ratio 1), the added advantages give grad kl_surrogate("reward") with
+    the leave-one-out statistics of each GRPO group (group=uid): the whole rollout batch, not a micro-batch."""
     ours, _ = run("v0", "kl_adapters:reward", "grpo", case)
     scores_only, _ = run("v0", None, "grpo", case)
     config = actor_config(use_kl_loss=False)
     flagged, _, _ = case.ppo_grad(config, advantages=ours.batch["advantages"])
     task, _, _ = case.ppo_grad(config, advantages=scores_only.batch["advantages"])
     mask = case.tokens["response_mask"]
-    kl = case.surrogate_grad(preset="reward", beta=per_sequence_beta(BETA, mask, "token-mean"))
+    kl = case.surrogate_grad(preset="reward", beta=per_sequence_beta(BETA, mask, "token-mean"), group=GROUPS)
     err = ((flagged - task - kl).norm() / kl.norm()).item()
     assert err < 1e-4, err
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("kl_penalty", ["kl", "low_var_kl"])
 @pytest.mark.parametrize("site", sorted(SITES))
 def test_flag_off_is_bit_identical_to_upstream(case, site, kl_penalty):
@@ -130,8 +151,8 @@ def test_environment_flag_selects_the_reward_path(case):
 
 
 @pytest.mark.parametrize("kl_penalty, env, error", [
-    ("kl_adapters:sequence", None, "implements only the 'reward' preset"),
-    ("kl", "sequence", "implements only the 'reward' preset"),
+    ("kl_adapters:sequence", None, "implements only the 'reward' and 'reward-plain' presets"),
+    ("kl", "sequence", "implements only the 'reward' and 'reward-plain' presets"),
     ("kl_adapters:reward:is_clip=2", None, "is_clip"),
     ("full", "reward", "'full'"),
 ])

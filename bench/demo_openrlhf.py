@@ -1,7 +1,10 @@
 """OpenRLHF 0.11.2's real actor training step on the exact toy problem: which KL configuration reaches pi*?
 
-Usage: .venvs/openrlhf/bin/python bench/demo_openrlhf.py [--steps 600] [--seeds 3] [--group 512] [--lr 0.003]
-       [--beta 0.15] [--configs ...] [--workers 2] [--out bench/results]  -> bench/results/demo_openrlhf.{json,png,txt}
+Usage: .venvs/openrlhf/bin/python bench/demo_openrlhf.py [--long] [--steps N] [--seeds 3] [--group G] [--lr LR]
+       [--beta B] [--configs ...] [--workers 2] [--out DIR]  -> DIR/demo_openrlhf_quick.{json,png,txt,log} (--long:
+       demo_openrlhf.*)   (`bash scripts/demo.sh openrlhf` builds .venvs/openrlhf and runs it)
+
+First the exact gradient check (`kl_adapters.demo.gradient_check`) through the same training step: `check` below.
 
 !!! CPU ONLY: TEST-ONLY IMPORT STUBS ON sys.path !!!
 OpenRLHF 0.11.2 imports flash_attn and vllm at module level, and neither installs without CUDA. When they are not
@@ -65,6 +68,8 @@ SPECS: dict[str, tuple[list[str], str | None, str]] = {
                           "... k3 --algo.kl.unbiased_gradient (OpenRLHF's fix, PR #1309: k1 per-token gradient)"),
     "kl_adapters:sequence": ([], "sequence", "... k3 --algo.kl.preset sequence (kl-adapters, per-step kl_ctl = "
                                              "beta (G-1)/N_tok)"),
+    "kl_adapters:sequence-plain": ([], "sequence-plain", "... k3 --algo.kl.preset sequence-plain (without the "
+                                                         "variance reductions)"),
     "beta=0": ([], None, "... k3 --algo.kl.init_coef 0 (no KL term)"),
 }
 CONFIGS = {k: v[2] for k, v in SPECS.items()}
@@ -200,6 +205,20 @@ def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dic
     return history, loss.metrics
 
 
+def check(problem, configs: list[str]):
+    """`gradient_check.check`'s inputs: an OpenRLHFLoss per configuration (G = 2; made right before its enumeration,
+    the activation being per process), the seed-0 policy, and the KL scale grad = kl_coefficient / N_tok * sum_rows g
+    (module docstring; tests/openrlhf/test_demo_runner.py's identities)."""
+    import functools
+
+    from kl_adapters.demo.gradient_check import batch_rows
+    from kl_adapters.demo.harness import kl_coefficient
+
+    coef = kl_coefficient(problem, 2)
+    losses = {c: (functools.partial(OpenRLHFLoss, problem, c, 2), batch_rows(SPECS[c][1])) for c in configs}
+    return problem.model(0), losses, lambda batch: coef / float(batch.completion_mask.sum())
+
+
 if __name__ == "__main__":
     raise SystemExit(demo_main(name=NAME, framework=FRAMEWORK, run=run, configs=CONFIGS, baseline=BASELINE,
-                               notes=__doc__))
+                               notes=__doc__, check=check))

@@ -1,7 +1,10 @@
 """verl 0.9.1's real actor loss on the exact toy problem: which KL configuration reaches pi* = argmax E[r] - beta KL?
 
-Usage: .venvs/verl/bin/python bench/demo_verl.py [--steps 600] [--seeds 3] [--group 512] [--lr 0.003] [--beta 0.15]
-       [--configs ...] [--workers 2] [--out bench/results]     -> bench/results/demo_verl.{json,png,txt}
+Usage: .venvs/verl/bin/python bench/demo_verl.py [--long] [--steps N] [--seeds 3] [--group G] [--lr LR] [--beta B]
+       [--configs ...] [--workers 2] [--out DIR]   -> DIR/demo_verl_quick.{json,png,txt,log} (--long: demo_verl.*)
+(`bash scripts/demo.sh verl` builds .venvs/verl and runs it; the options and output are `kl-adapters demo`'s.)
+
+First the exact gradient check (`kl_adapters.demo.gradient_check`) through the same loss code: `check` below.
 
 Every step `kl_adapters.demo.harness.train` samples G completions from the current policy (a tiny GPT-2), and the loss
 function below hands them to verl in the layout its engines use:
@@ -49,6 +52,8 @@ SPECS: dict[str, tuple[str | None, str | None, str]] = {
     "verl-default": ("loss", "low_var_kl", "actor.kl_loss_type=low_var_kl (verl's default, k3) in ppo_loss"),
     "k3+": ("loss", "k3+", "actor.kl_loss_type=k3+ (verl's straight-through k2-gradient fix) in ppo_loss"),
     "kl_adapters:sequence": ("loss", "kl_adapters:sequence", "actor.kl_loss_type=kl_adapters:sequence in ppo_loss"),
+    "kl_adapters:sequence-plain": ("loss", "kl_adapters:sequence-plain",
+                                   "actor.kl_loss_type=kl_adapters:sequence-plain (without the variance reductions)"),
     "kl_adapters:reward (reward path)": ("reward", "kl_adapters:reward",
                                          "algorithm.kl_penalty=kl_adapters:reward: apply_kl_penalty + compute_advantage"
                                          "(grpo, no std) + ppo_loss without KL loss"),
@@ -142,6 +147,23 @@ def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dic
     return history, loss.metrics
 
 
+def check(problem, configs: list[str]):
+    """`gradient_check.check`'s inputs: a VerlLoss per configuration (G = 2), the seed-0 policy, and the KL scale of
+    a token-mean loss, grad = kl_coefficient / N_tok * sum_rows g (tests/verl/test_demo_runner.py's identities)."""
+    import functools
+
+    from kl_adapters.demo.gradient_check import batch_rows
+    from kl_adapters.demo.harness import kl_coefficient
+
+    coef = kl_coefficient(problem, 2)
+    losses = {c: (functools.partial(VerlLoss, problem, c, 2), batch_rows(_preset(SPECS[c][1]))) for c in configs}
+    return problem.model(0), losses, lambda batch: coef / float(batch.completion_mask.sum())
+
+
+def _preset(estimator: str | None) -> str | None:
+    return estimator.removeprefix("kl_adapters:") if estimator and estimator.startswith("kl_adapters:") else None
+
+
 if __name__ == "__main__":
     raise SystemExit(demo_main(name=NAME, framework=FRAMEWORK, run=run, configs=CONFIGS, baseline=BASELINE,
-                               notes=__doc__))
+                               notes=__doc__, check=check))

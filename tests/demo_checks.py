@@ -15,9 +15,9 @@ import torch
 from kl_adapters.demo.harness import core_loss, sample_batch
 from kl_adapters.demo.problem import ToyProblem, completion_logprobs, enumerated_input_ids, sequence_logprobs
 
-#: sum of log pi_ref over the 63 sequences for seed 0: the same in the TRL, verl and OpenRLHF environments (their
-#: transformers versions differ), so every framework's benchmark solves the same problem
-REFERENCE_CHECKSUM = -321.6748777134
+#: sum of log pi_ref over the 31 sequences of ToyProblem() for seed 0: the same in the TRL, verl and OpenRLHF
+#: environments (their transformers versions differ), so every framework's benchmark solves the same problem
+REFERENCE_CHECKSUM = -125.5008010136
 
 
 def reference_checksum(problem: ToyProblem) -> float:
@@ -25,15 +25,17 @@ def reference_checksum(problem: ToyProblem) -> float:
 
 
 def run_runner(demo_common, module, configs: list[str], out: Path, group: int) -> dict:
-    """A bench/demo_<framework>.py runner through its own main (3 steps, 1 seed, in this process); checks the files
-    and the exact histories, returns the JSON document."""
+    """A bench/demo_<framework>.py runner through its own main (horizon 2, 3 steps, 1 seed, in this process, with the
+    gradient check); checks the files, the check and the exact histories, returns the JSON document."""
     code = demo_common.main(name=module.NAME, framework=module.FRAMEWORK, run=module.run, configs=module.CONFIGS,
                             baseline=module.BASELINE, notes=module.__doc__,
+                            check=module.check,
                             argv=["--steps", "3", "--seeds", "1", "--group", str(group), "--workers", "0",
-                                  "--configs", ",".join(configs), "--out", str(out)])
+                                  "--configs", ",".join(configs), "--out", str(out), "--horizon", "2"])
     assert code == 0
-    doc = json.loads((out / f"{module.NAME}.json").read_text())
-    assert (out / f"{module.NAME}.png").stat().st_size > 0 and (out / f"{module.NAME}.txt").exists()
+    name = f"{module.NAME}_quick"
+    doc = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.png").stat().st_size > 0 and (out / f"{name}.txt").exists() and (out / f"{name}.log").exists()
     assert "--steps 3" in doc["command"] and list(doc["histories"]) == configs
     for config in configs:
         (history,) = doc["histories"][config]
@@ -43,7 +45,17 @@ def run_runner(demo_common, module, configs: list[str], out: Path, group: int) -
         assert len(metrics) == 3
     (ratio,) = doc["ratio"]["per_seed"]
     assert math.isfinite(ratio) and ratio > 0
+    check_gradient_rows(doc["gradient_check"], unbiased=[c for c in configs if c.startswith("kl_adapters:")])
     return doc
+
+
+def check_gradient_rows(rows: list[dict], unbiased: list[str]) -> None:
+    """The gradient check's rows: ~0 relative bias for `unbiased` (float32 rounding), a visible one for the others."""
+    assert rows
+    for row in rows:
+        assert (row["relative_bias"] < 1e-4) == (row["config"] in unbiased), row
+        assert (row["batch_rows"] == 2) == (row["config"].split(" ")[0] in ("kl_adapters:sequence", "kl_adapters:reward",
+                                                                             "sequence", "reward")), row
 
 
 def sampled_group(group: int):

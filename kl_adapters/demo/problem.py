@@ -1,15 +1,24 @@
 """A KL-regularized RL problem small enough to solve exactly, with a tiny transformer as the policy.
 
 Completions are strings over a few characters plus end-of-sequence (EOS), at most T tokens, after a one-token prompt
-(defaults: "a", "b" and EOS, T = 5: 63 sequences);
-every sequence can be enumerated (`kl_adapters.audit.sequence_space`). r(y) is a fixed random reward in [0, 1) per
-sequence (0 for the empty completion). The reference pi_ref is the policy's initial state. The objective J(pi) = E_pi[r] - beta * KL(pi || pi_ref)
-has the known optimum
+(defaults: "a", "b" and EOS, T = 4: 31 sequences); every sequence can be enumerated (`kl_adapters.audit.sequence_space`).
+The reference pi_ref is the policy's initial state. The objective J(pi) = E_pi[r] - beta * KL(pi || pi_ref) has the
+known optimum
 
     pi*(y) = pi_ref(y) exp(r(y)/beta) / Z,      J* = J(pi*) = beta * log Z,      Z = sum_y pi_ref(y) exp(r(y)/beta),
 
 and for any pi, J* - J(pi) = beta * KL(pi || pi*). `ExactEvaluator` computes E[r], KL(pi || pi_ref), J, J* - J and
 KL(pi || pi*) exactly by scoring every sequence with the model.
+
+Rewards (`ToyProblem.reward_kind`):
+  * "answer" (default): r = 1 for one full-length answer (default "abab"), `partial_credit` (0.3) for every other
+    completion: an exact-match reward. Reaching the answer costs the KL of all T of its tokens. pi* weighs that cost;
+    the per-token KL gradient (TRL's default, verl's k3+, OpenRLHF's unbiased_gradient) does not see, when it sets
+    a token, the KL its continuation will cost: its fixed point pi(v | h) ~ pi_ref(v | h) exp(Q(h, v) / beta), with
+    Q the expected reward-to-go *without* the future KL, commits to the answer far beyond pi*. The bias is large and
+    shows within a few dozen steps.
+  * "random": r ~ U(0, 1) per sequence (0 for the empty completion), the earlier problem: the configurations separate
+    only after several hundred steps.
 """
 
 from __future__ import annotations
@@ -23,14 +32,29 @@ from torch import Tensor
 from ..audit import sequence_space
 
 EOS = "<eos>"
+REWARD_KINDS = ("answer", "random")
 
 
 @dataclass(frozen=True)
 class ToyProblem:
     chars: str = "ab"  # non-EOS tokens; the prompt is chars[0]
-    horizon: int = 5  # maximum completion length T
-    beta: float = 0.15
-    reward_seed: int = 0
+    horizon: int = 4  # maximum completion length T
+    beta: float = 0.2
+    reward_kind: str = "answer"  # "answer" or "random" (module docstring)
+    answer: str | None = None  # "answer" only: a full-length string over chars; None = "abab..." cut to T
+    partial_credit: float = 0.3  # "answer" only: r of every other completion
+    reward_seed: int = 0  # "random" only
+
+    def __post_init__(self):
+        if self.reward_kind not in REWARD_KINDS:
+            raise ValueError(f"unknown reward kind {self.reward_kind!r}; valid: {', '.join(REWARD_KINDS)}")
+        if self.reward_kind == "answer" and (len(self.target) != self.horizon or set(self.target) - set(self.chars)):
+            raise ValueError(f"answer {self.target!r} must be {self.horizon} characters from {self.chars!r}")
+
+    @property
+    def target(self) -> str:
+        """The "answer" reward's full-length answer."""
+        return self.answer if self.answer is not None else (self.chars[:2] * self.horizon)[:self.horizon]
 
     @cached_property
     def space(self):
@@ -53,6 +77,13 @@ class ToyProblem:
 
     @cached_property
     def rewards(self) -> Tensor:
+        """[N] r(y) of every enumerated completion, in float64 (module docstring)."""
+        if self.reward_kind == "answer":
+            return torch.tensor([1.0 if s == self.target else self.partial_credit for s in self.strings],
+                                dtype=torch.float64)
+        return self._random_rewards()
+
+    def _random_rewards(self) -> Tensor:
         """r(y) ~ U(0, 1) per sequence (fixed by reward_seed), except r(empty completion) = 0.
 
         The empty completion is the likeliest sequence under the initial policy; with a high random reward it would

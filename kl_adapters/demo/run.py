@@ -1,11 +1,14 @@
 """`kl-adapters demo`, and the shared driver of every framework's run of the exact-objective benchmark.
 
-A benchmark trains the toy problem's policy under each KL configuration with one framework's real code (TRL's
-GRPOTrainer here; verl's and OpenRLHF's loss code in bench/demo_verl.py and bench/demo_openrlhf.py through
-`harness`), evaluating the objective exactly after every step. `run_benchmark` runs every (configuration, seed) pair in
-worker processes and writes <out>/<name>.{json,png,txt}: per-step exact E[r], KL(pi||pi_ref), J, J* - J and
-KL(pi||pi*) for every run, the summary (final value and area under the curve, mean and spread over seeds), and the
-per-seed ratio KL(pi||pi*)[baseline] / KL(pi||pi*)[candidate] at the final step.
+A benchmark first runs the exact gradient check (`gradient_check`: the expected KL gradient of the framework's real
+loss under each configuration, every completion enumerated, against grad KL(pi || pi_ref)), then trains the toy
+problem's policy under each KL configuration with the framework's real code (TRL's GRPOTrainer here; verl's and
+OpenRLHF's loss code in bench/demo_verl.py and bench/demo_openrlhf.py through `harness`), evaluating the objective
+exactly after every step. `run_benchmark` runs every (configuration, seed) pair in worker processes and writes
+<out>/<name>.{json,png,txt,log}: the check, per-step exact E[r], KL(pi||pi_ref), J, J* - J and KL(pi||pi*) for every
+run, the summary (final value and area under the curve, mean and spread over seeds), the per-seed ratio
+KL(pi||pi*)[baseline] / KL(pi||pi*)[candidate] at the final step, and (.log) everything the frameworks print. The
+terminal shows one line per run, the tables and the paths.
 """
 
 from __future__ import annotations
@@ -24,12 +27,18 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from . import report
+from . import gradient_check, report
 from .harness import TrainSettings
-from .problem import ToyProblem
+from .problem import REWARD_KINDS, ToyProblem
 
 #: (problem, configuration, seed, settings) -> (per-step exact metrics, the framework's own per-step metrics or None)
 RunFn = Callable[[ToyProblem, str, int, TrainSettings], tuple[list[dict], object]]
+#: (problem, configurations) -> (model, {configuration: (loss, batch rows)}, KL scale) for `gradient_check.check`
+CheckFn = Callable[[ToyProblem, list[str]], tuple]
+#: default output folder (git-ignored); committed results are written with --out bench/results
+DEFAULT_OUT = "kl-adapters-demo"
+#: KL(pi||pi*) ratio baseline / candidate the quick run must reach on every seed, and --long
+TARGET_QUICK, TARGET_LONG = 3.0, 5.0
 
 #: `kl-adapters demo` without --long: a few minutes on 2 cores (too short for the configurations to converge)
 QUICK = TrainSettings()
@@ -45,6 +54,8 @@ class Benchmark:
     configs: dict[str, str]  # configuration -> description
     baseline: str  # the framework's default KL configuration
     candidate: str  # kl-adapters' sequence preset under that framework's flag
+    check: CheckFn | None = None  # the exact gradient check through the framework's loss
+    target: float = TARGET_QUICK  # ratio baseline / candidate to reach on every seed
 
 
 def add_arguments(p: argparse.ArgumentParser, configs: dict[str, str], defaults: TrainSettings) -> None:
@@ -56,11 +67,16 @@ def add_arguments(p: argparse.ArgumentParser, configs: dict[str, str], defaults:
     p.add_argument("--horizon", type=int, default=ToyProblem.horizon,
                    help=f"maximum completion length T ({ToyProblem.horizon})")
     p.add_argument("--chars", default=ToyProblem.chars, help=f"non-EOS tokens ('{ToyProblem.chars}')")
+    p.add_argument("--reward", default=ToyProblem.reward_kind, choices=REWARD_KINDS,
+                   help=f"reward: 'answer' (1 for one full-length answer, {ToyProblem.partial_credit} otherwise) or "
+                   f"'random' (U(0, 1) per sequence) ({ToyProblem.reward_kind})")
+    p.add_argument("--no-check", action="store_true", help="skip the exact gradient check")
     p.add_argument("--configs", default=",".join(configs),
                    help="comma-separated subset of: " + "; ".join(f"{k} ({v})" for k, v in configs.items()))
     p.add_argument("--workers", type=int, default=2, help="parallel processes, one torch thread each (2; 0: in "
                    "this process)")
-    p.add_argument("--out", default="bench/results", help="output folder (bench/results)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT}/; the committed results: "
+                   "--out bench/results)")
 
 
 def settings_from(args: argparse.Namespace, base: TrainSettings) -> TrainSettings:
@@ -97,15 +113,54 @@ def environment() -> dict:
 
 
 def run_benchmark(bench: Benchmark, args: argparse.Namespace, settings: TrainSettings, command: str) -> int:
-    """Run every (configuration, seed) pair of `bench`, print the table, write <out>/<bench.name>.*."""
+    """The check, then every (configuration, seed) pair of `bench`; prints the tables, writes <out>/<bench.name>.*.
+
+    The frameworks' own output (log dicts, progress bars, warnings) goes to <out>/<bench.name>.log."""
     chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in bench.configs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; valid: {', '.join(bench.configs)}")
-    problem = ToyProblem(chars=args.chars, horizon=args.horizon, beta=args.beta)
-    print(f"toy problem: {problem.space.num_sequences} sequences, beta={problem.beta}; {bench.framework}, "
-          f"{len(chosen)} configurations x {args.seeds} seeds x {settings.steps} steps, G={settings.group}, "
-          f"{args.workers} workers", flush=True)
+    problem = ToyProblem(chars=args.chars, horizon=args.horizon, beta=args.beta, reward_kind=args.reward)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"{bench.name}.log"
+    with _framework_output_to(log) as say:
+        try:
+            return _run(bench, args, settings, command, chosen, problem, out, say)
+        except BaseException:
+            say(f"failed; the frameworks' output and the traceback are in {log}")
+            raise
+
+
+@contextlib.contextmanager
+def _framework_output_to(log: Path):
+    """Point file descriptors 1 and 2 (this process and the workers it starts) at `log`; yield a print function
+    for the terminal. The descriptors are restored on exit (a traceback, printed after, goes to the log's end too)."""
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    console = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    with open(log, "w") as sink:
+        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda *parts, **kw: print(*parts, **kw, file=console, flush=True)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+            console.close()
+
+
+def _run(bench, args, settings, command, chosen, problem, out, say) -> int:
+    say(f"toy problem: {problem.space.num_sequences} sequences, reward {problem.reward_kind!r}, beta={problem.beta}; "
+        f"{bench.framework}; frameworks' output -> {out / (bench.name + '.log')}")
+    check_text, check_rows = "", []
+    if bench.check is not None and not args.no_check:
+        start = time.perf_counter()
+        check_rows = run_check(bench, problem, [c for c in chosen if c != "beta=0"])
+        check_text = gradient_check.table(check_rows, bench.framework) + f"\n({time.perf_counter() - start:.0f} s)"
+        say("\n" + check_text + "\n")
+    say(f"training: {len(chosen)} configurations x {args.seeds} seeds x {settings.steps} steps, G={settings.group}, "
+        f"{args.workers} workers")
     start = time.perf_counter()
     histories, extras, runtimes = ({c: [None] * args.seeds for c in chosen} for _ in range(3))
     pairs = [(c, s) for s in range(args.seeds) for c in chosen]
@@ -117,38 +172,57 @@ def run_benchmark(bench: Benchmark, args: argparse.Namespace, settings: TrainSet
         else:
             jobs = [(pair, pool.submit(_timed, bench.run, problem, *pair, settings)) for pair in pairs]
             results = ((pair, job.result()) for pair, job in jobs)
-        for (c, s), (history, extra, seconds) in results:
+        for k, ((c, s), (history, extra, seconds)) in enumerate(results, 1):
             histories[c][s], extras[c][s], runtimes[c][s] = history, extra, seconds
-            print(f"  {c:<34} seed {s}: KL(pi||pi*) {history[0]['kl_opt']:.3f} -> {history[-1]['kl_opt']:.4f}   "
-                  f"(run {seconds:.0f} s, total {time.perf_counter() - start:.0f} s)", flush=True)
+            say(f"  [{k:>2}/{len(pairs)}] {c:<34} seed {s}: KL(pi||pi*) {history[0]['kl_opt']:.3f} -> "
+                f"{history[-1]['kl_opt']:.4f}   ({seconds:.0f} s; {time.perf_counter() - start:.0f} s so far)")
     elapsed = time.perf_counter() - start
     summary = report.summarize(histories)
     title = (f"{bench.framework} on the exact toy problem ({problem.space.num_sequences} sequences, "
-             f"beta={problem.beta}, G={settings.group}, {settings.steps} steps, {args.seeds} seeds)")
+             f"reward {problem.reward_kind!r}, beta={problem.beta}, G={settings.group}, {settings.steps} steps, "
+             f"{args.seeds} seeds)")
     text = report.table(summary, title)
     ratio = report.ratios(summary, bench.baseline, bench.candidate) if {bench.baseline, bench.candidate} <= set(
         chosen) else None
     if ratio:
         text += (f"\n\nKL(pi||pi*) at the final step, {bench.baseline} / {bench.candidate}, per seed: "
-                 + ", ".join(f"{r:.1f}x" for r in ratio) + f"   (target >= 5x on every seed: "
-                 f"{'met' if min(ratio) >= 5 else 'NOT met'})")
+                 + ", ".join(f"{r:.1f}x" for r in ratio) + f"   (target >= {bench.target:g}x on every seed: "
+                 f"{'met' if min(ratio) >= bench.target else 'NOT met'})")
     text += "\n\nconfigurations:\n" + "\n".join(f"  {c}: {bench.configs[c]}" for c in chosen)
-    text += (f"\n\nwall time {elapsed:.0f} s ({args.workers} workers); seconds per run: "
+    text += (f"\n\ntraining wall time {elapsed:.0f} s ({args.workers} workers); seconds per run: "
              + ", ".join(f"{c} {sum(runtimes[c]) / len(runtimes[c]):.0f}" for c in chosen))
-    print("\n" + text, flush=True)
-    out = Path(args.out)
+    say("\n" + text)
     report.write(out, bench.name, {
         "command": command, "environment": environment(), "framework": bench.framework,
         "problem": {"chars": problem.chars, "horizon": problem.horizon, "beta": problem.beta,
-                    "sequences": problem.space.num_sequences},
+                    "reward": problem.reward_kind, "sequences": problem.space.num_sequences},
         "settings": asdict(settings), "seeds": args.seeds, "workers": args.workers,
-        "configurations": {c: bench.configs[c] for c in chosen}, "wall_time_s": elapsed, "runtime_s": runtimes,
-        "summary": summary, "ratio": {"baseline": bench.baseline, "candidate": bench.candidate, "per_seed": ratio},
-        "histories": histories, "framework_metrics": extras})
+        "configurations": {c: bench.configs[c] for c in chosen}, "gradient_check": [asdict(r) for r in check_rows],
+        "wall_time_s": elapsed, "runtime_s": runtimes, "summary": summary,
+        "ratio": {"baseline": bench.baseline, "candidate": bench.candidate, "per_seed": ratio,
+                  "target": bench.target}, "histories": histories, "framework_metrics": extras})
     report.plot(histories, out / f"{bench.name}.png", title)
-    (out / f"{bench.name}.txt").write_text(f"$ {command}\n{text}\n")
-    print(f"\nwrote {out}/{bench.name}.json, {bench.name}.png, {bench.name}.txt")
+    (out / f"{bench.name}.txt").write_text(f"$ {command}\n" + (f"{check_text}\n\n" if check_text else "") + f"{text}\n")
+    say(f"\nplot: {out / bench.name}.png   table: {bench.name}.txt   every figure: {bench.name}.json   "
+        f"framework logs: {bench.name}.log")
     return 0
+
+
+def run_check(bench: Benchmark, problem: ToyProblem, configs: list[str]) -> list[gradient_check.CheckRow]:
+    """The exact gradient check of `configs` through the framework's loss, at the seed-0 policy (one torch thread)."""
+    import torch
+
+    from .problem import completion_logprobs, enumerated_input_ids
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, losses, scale = bench.check(problem, configs)
+        with torch.no_grad():
+            ref = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
+        return gradient_check.check(problem, model, ref, losses, scale)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -156,16 +230,22 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     from .trl_runner import CONFIGS
 
     add_arguments(p, CONFIGS, QUICK)
-    p.add_argument("--long", action="store_true", help=f"the committed benchmark: --steps {LONG.steps} --group "
-                   f"{LONG.group} --lr {LONG.learning_rate} unless given (about 20 min on 2 cores); writes demo_trl.*")
+    add_long_argument(p, "demo_trl")
+
+
+def add_long_argument(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--long", action="store_true", help=f"the long benchmark: --steps {LONG.steps} --group "
+                   f"{LONG.group} --lr {LONG.learning_rate} unless given, target >= {TARGET_LONG:g}x; writes "
+                   f"{name}.* (without: {name}_quick.*)")
 
 
 def main(args: argparse.Namespace) -> int:
     """`kl-adapters demo`: TRL's GRPOTrainer; demo_trl_quick.* by default, demo_trl.* with --long."""
-    from .trl_runner import CONFIGS, run_trl
+    from .trl_runner import CONFIGS, check_losses, run_trl
 
     settings = settings_from(args, LONG if args.long else QUICK)
     bench = Benchmark(name="demo_trl" if args.long else "demo_trl_quick", framework="TRL 1.16 GRPOTrainer",
-                      run=run_trl, configs=CONFIGS, baseline="trl-default", candidate="sequence")
+                      run=run_trl, configs=CONFIGS, baseline="trl-default", candidate="sequence", check=check_losses,
+                      target=TARGET_LONG if args.long else TARGET_QUICK)
     command = " ".join(["kl-adapters demo", *(shlex.quote(a) for a in sys.argv[2:])])
     return run_benchmark(bench, args, settings, command)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU integration suite in one device call per framework (issue 13).
+#
+#   scripts/gpu.sh prepare [trl|verl|openrlhf]...   here, with network: .gpu-wheels/<fw>/ (git-ignored), one
+#                                                   wheelhouse per framework (default: all three), each <= 60 MiB
+#   scripts/gpu.sh run <trl|verl|openrlhf> [outdir] on the GPU machine: install .gpu-wheels/<fw> with --no-index on top
+#                                                   of the image's torch, run `pytest -m gpu tests/<fw>` and
+#                                                   bench/gpu_bench.py; logs + JSON to outdir (default $OUT)
+#
+# A wheelhouse holds exactly the pins of envs/gpu-<fw>.txt (each one a pin of the CPU suite, envs/<fw>.txt; the
+# device image has the rest: envs/device-image.txt), built for CPython 3.12 manylinux x86_64, plus a wheel of
+# kl-adapters itself. deepspeed has no wheel on the index: it is built here from its sdist with its ops left to JIT
+# (DS_BUILD_OPS=0). Ray is not carried (a 74 MB wheel): tests/device_image/ray_stub stands in for its import.
+# tests/device_image/prove.sh checks the wheelhouses without a GPU.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=${GPU_WHEELS:-$ROOT/.gpu-wheels}
+FRAMEWORKS=(trl verl openrlhf)
+MAX_MIB=60
+SDIST_ONLY=(deepspeed antlr4-python3-runtime)  # no wheel on the index: built here (pure Python)
+PY=${PYTHON:-python3}
+
+usage() { sed -n '3,8p' "$0" >&2; exit 2; }
+known() { [[ " ${FRAMEWORKS[*]} " == *" $1 "* ]] || { echo "unknown framework: $1 (trl|verl|openrlhf)" >&2; exit 2; }; }
+pins() { grep -v '^#' "$ROOT/envs/gpu-$1.txt" | grep -v '^[[:space:]]*$'; }
+
+# pip's platform tags for the device's CPython 3.12 on x86_64 (pip matches each manylinux tag exactly)
+PLATFORMS=()
+for tag in manylinux1 manylinux2010 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_26 manylinux_2_27 \
+  manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35 manylinux_2_39; do
+  PLATFORMS+=(--platform "${tag}_x86_64")
+done
+
+prepare() {
+  local fw=$1 dir="$WHEELS/$1" sdists=() binaries=() spec
+  known "$fw"
+  mkdir -p "$dir"
+  while read -r spec; do
+    if [[ " ${SDIST_ONLY[*]} " == *" ${spec%%==*} "* ]]; then sdists+=("$spec"); else binaries+=("$spec"); fi
+  done < <(pins "$fw")
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --abi cp312 --abi abi3 --abi none "${PLATFORMS[@]}" -d "$dir" "${binaries[@]}"
+  for spec in ${sdists[@]+"${sdists[@]}"}; do  # deepspeed's wheel leaves its ops to DeepSpeed's JIT (first use)
+    local built="$dir/.build-${spec%%==*}" stem=${spec%%==*}
+    ls "$dir/${stem//-/_}-${spec#*==}-"*.whl >/dev/null 2>&1 && continue
+    rm -rf "$built" && mkdir -p "$built"
+    # deepspeed's setup.py imports torch: build with the OpenRLHF suite's environment (torch present), no isolation
+    DS_BUILD_OPS=0 DS_BUILD_AIO=0 DS_BUILD_GDS=0 "${DS_BUILD_PYTHON:-$ROOT/.venvs/openrlhf/bin/python}" -m pip wheel -q \
+      --disable-pip-version-check --no-deps --no-build-isolation --no-binary :all: -w "$built" "$spec"
+    mv "$built"/*.whl "$dir/" && rm -rf "$built"
+  done
+  rm -f "$dir"/kl_adapters-*.whl
+  "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir" "$ROOT"
+  local mib
+  mib=$(du -sm "$dir" | cut -f1)
+  echo "$fw: $(find "$dir" -name '*.whl' | wc -l) wheels, $(du -sh "$dir" | cut -f1) in $dir"
+  [ "$mib" -le "$MAX_MIB" ] || { echo "$fw wheelhouse is $mib MiB > $MAX_MIB MiB" >&2; exit 1; }
+}
+
+run() {
+  local fw=$1 out=${2:-${OUT:-}} site
+  known "$fw"
+  [ -n "$out" ] || { echo "run: give an output folder (or set OUT)" >&2; exit 2; }
+  mkdir -p "$out"
+  out=$(cd "$out" && pwd)
+  site=${GPU_SITE:-/tmp/kl-adapters-gpu/$fw}
+  rm -rf "$site"
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$site" "$WHEELS/$fw"/*.whl
+  local path="$site"
+  # verl and OpenRLHF import ray at module level; their GPU paths never start it (the Ray activation is proven on CPU)
+  [ "$fw" = trl ] || path="$path:$ROOT/tests/device_image/ray_stub"
+  # flash_attn and vllm: OpenRLHF's imports of them, stubbed as on CPU (the tests run the HF attention path)
+  [ "$fw" = openrlhf ] && path="$path:$ROOT/tests/openrlhf/cpu_stubs"
+  export PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  unset KL_ADAPTERS
+  cd "$ROOT"
+  "$PY" -P tests/device_image/environment_report.py "$fw" > "$out/$fw-environment.json"
+  cat "$out/$fw-environment.json"
+  local status=0
+  # -P: the checkout stays off sys.path, so the tests import the installed kl-adapters wheel (as bin/pytest does)
+  "$PY" -P -m pytest "tests/$fw" -m gpu -p no:cacheprovider -rA --junitxml="$out/$fw-junit.xml" 2>&1 \
+    | tee "$out/$fw-pytest.log" || status=1
+  "$PY" -P bench/gpu_bench.py --framework "$fw" --out "$out" 2>&1 | tee "$out/$fw-bench.log" || status=1
+  return $status
+}
+
+[ $# -gt 0 ] || usage
+case "$1" in
+  prepare) shift; [ $# -gt 0 ] || set -- "${FRAMEWORKS[@]}"; for fw in "$@"; do prepare "$fw"; done ;;
+  run) [ $# -ge 2 ] && [ $# -le 3 ] || usage; run "$2" "${3:-}" ;;
+  *) usage ;;
+esac

@@ -1,0 +1,142 @@
+"""TRL on a GPU: a 63M-parameter random Llama (12 layers, hidden 768; built from a config, char tokenizer, no hub)
+trained by the real GRPOTrainer.train(), generation on the GPU. Marked `gpu`; skipped without CUDA.
+Run on the device: scripts/gpu.sh run trl (README, GPU section).
+
+Checks, each against TRL itself:
+- the gradient identity of tests/trl/test_grpo_gradients.py on CUDA (trainer gradient, flag on = TRL's task gradient
+  + grad kl_surrogate), float32 to GPU_FP32_RTOL and bf16 autocast to GPU_BF16_RTOL (max |diff| / max |grad|);
+- the flag off (KLGRPOConfig(kl_preset=None)) is bit-identical to unpatched TRL (GRPOConfig): same logs, same weights;
+- train() with `sequence`, `reward` (bf16) and once with LoRA: finite losses, the adapter's seq_kl logged every step;
+- with a large beta and a constant reward (the KL term is the whole loss) the sequence KL falls.
+"""
+
+import math
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the bit-identity test
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import make_trainer, one_batch, perturb  # noqa: E402
+from test_grpo_gradients import expected_grad, trainer_grad  # noqa: E402
+
+from kl_adapters.adapters import trl as adapter  # noqa: E402
+from kl_adapters.tiny_models import save_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+#: float32 on CUDA: the two sides sum the same terms in different kernels (fused vs separate backward); rounding of a
+#: 63M-parameter model's gradient stays ~1e-6 of its largest entry, 1e-4 leaves two orders of margin
+GPU_FP32_RTOL = 1e-4
+#: bf16 autocast: every matmul rounds to 8 mantissa bits (2^-8 = 0.4%) on each side independently, through 12 layers
+GPU_BF16_RTOL = 5e-2
+MODEL = dict(hidden=768, layers=12, heads=12, max_positions=256)  # 63M parameters (test_model_size)
+STEPS = 30
+TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("llama_63m"), **MODEL))
+
+
+def gpu_args(**overrides):
+    """grpo_args overrides for a GPU run: no use_cpu, eager attention (deterministic backward), longer completions."""
+    return dict(use_cpu=False, max_completion_length=32, per_device_train_batch_size=8, num_generations=8,
+                learning_rate=3e-5, model_init_kwargs={"attn_implementation": "eager"}, **overrides)
+
+
+def perturb_on_gpu(model, scale, seed):
+    """conftest.perturb (CPU generator) on a CUDA model: before train() builds the optimizer, so moving is safe."""
+    perturb(model.cpu(), scale=scale, seed=seed)
+    model.cuda()
+
+
+def logged(trainer, key):
+    return [r[key] for r in trainer.state.log_history if key in r]
+
+
+def test_model_size(gpu_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(gpu_model_dir).parameters())
+    assert 50e6 <= n <= 150e6, n
+
+
+@pytest.mark.parametrize("bf16,rtol", [(False, GPU_FP32_RTOL), (True, GPU_BF16_RTOL)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("preset", ["sequence", "reward"])
+def test_gradient_identity_on_cuda(gpu_model_dir, dataset, preset, bf16, rtol):
+    trainer = make_trainer(gpu_model_dir, dataset, **gpu_args(bf16=bf16, loss_type="dapo"))
+    assert next(trainer.model.parameters()).is_cuda
+    perturb_on_gpu(trainer.model, scale=0.05, seed=1)
+    batch = one_batch(trainer)
+    assert batch["completion_ids"].is_cuda
+    got, want = trainer_grad(trainer, batch, preset), expected_grad(trainer, batch, preset)
+    scale = float(want.abs().max())
+    assert scale > 0 and float((got - want).abs().max()) / scale < rtol
+
+
+@pytest.mark.parametrize("preset", ["sequence", "reward"])
+def test_train_on_cuda(gpu_model_dir, dataset, preset):
+    trainer = make_trainer(gpu_model_dir, dataset, **gpu_args(bf16=True, kl_preset=preset, max_steps=STEPS))
+    trainer.train()
+    seq_kl, loss = logged(trainer, "kl_adapters/seq_kl"), logged(trainer, "loss")
+    assert len(seq_kl) == STEPS and all(math.isfinite(v) and v >= 0 for v in seq_kl)
+    assert len(loss) == STEPS and all(math.isfinite(v) for v in loss)
+    assert all(math.isfinite(v) for v in logged(trainer, "grad_norm"))
+
+
+def test_lora_on_cuda(gpu_model_dir, dataset):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(gpu_model_dir, dataset, peft_config=lora, **gpu_args(bf16=True, max_steps=STEPS // 3))
+    trainer.train()
+    assert trainer.ref_model is None  # the adapter-disabled base is the reference
+    assert len(logged(trainer, "kl_adapters/seq_kl")) == STEPS // 3
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))
+
+
+def _history_and_params(trainer):
+    history = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in trainer.state.log_history]
+    return history, [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_flag_off_is_bit_identical_to_unpatched_trl_on_cuda(gpu_model_dir, dataset):
+    from conftest import grpo_args
+    from trl import GRPOConfig
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        adapter.unpatch()
+        native = make_trainer(gpu_model_dir, dataset,
+                              args=grpo_args(config_cls=GRPOConfig, **gpu_args(bf16=True, max_steps=5)))
+        native.train()
+        reference = _history_and_params(native)
+        adapter.patch("trl.trainer.grpo_trainer")
+        flag_off = make_trainer(gpu_model_dir, dataset, **gpu_args(bf16=True, kl_preset=None, max_steps=5))
+        flag_off.train()
+        patched = _history_and_params(flag_off)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert patched[0] == reference[0]
+    assert all(torch.equal(a, b) for a, b in zip(patched[1], reference[1]))
+
+
+def constant_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_kl_falls_with_large_beta(gpu_model_dir, dataset):
+    """Constant reward: zero advantages, so the loss is the KL term alone; from a perturbed policy the sequence KL
+    must fall (mean of the last 5 logged steps below half the first 5)."""
+    from conftest import grpo_args
+    from trl import GRPOTrainer
+
+    trainer = GRPOTrainer(model=gpu_model_dir, reward_funcs=constant_reward, train_dataset=dataset,
+                          args=grpo_args(**gpu_args(bf16=True, beta=1.0, learning_rate=1e-4, max_steps=STEPS)))
+    perturb_on_gpu(trainer.model, scale=0.05, seed=2)
+    trainer.train()
+    seq_kl = logged(trainer, "kl_adapters/seq_kl")
+    assert len(seq_kl) == STEPS and seq_kl[0] > 0
+    assert sum(seq_kl[-5:]) < 0.5 * sum(seq_kl[:5]), seq_kl

@@ -43,9 +43,9 @@ def test_runner_end_to_end(tmp_path):
         (metrics,) = doc["framework_metrics"][config]
         assert all(math.isfinite(v) for m in metrics for v in m.values())
     # the adapter's metrics appear only under its flag; its kl_ctl is beta (G-1)/N_tok, OpenRLHF's own beta (G-1)/G
-    assert all("kl_adapters/seq_kl" in m and m["kl_ctl"] < 0.15 * (G - 1) / G
+    assert all("kl_adapters/seq_kl" in m and m["kl_ctl"] < ToyProblem.beta * (G - 1) / G
                for m in doc["framework_metrics"]["kl_adapters:sequence"][0])
-    assert all("kl_adapters/seq_kl" not in m and m["kl_ctl"] == pytest.approx(0.15 * (G - 1) / G)
+    assert all("kl_adapters/seq_kl" not in m and m["kl_ctl"] == pytest.approx(ToyProblem.beta * (G - 1) / G)
                for m in doc["framework_metrics"]["openrlhf-default-k3"][0])
 
 

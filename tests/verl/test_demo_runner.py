@@ -39,7 +39,7 @@ def test_runner_end_to_end(tmp_path):
     doc = run_runner(demo_common, demo_verl, configs, tmp_path, G)
     for config in configs:
         (metrics,) = doc["framework_metrics"][config]
-        assert all(m["kl_coef"] == pytest.approx(0.15 * (G - 1) / G) for m in metrics)
+        assert all(m["kl_coef"] == pytest.approx(ToyProblem.beta * (G - 1) / G) for m in metrics)
     # the adapter's metrics appear only where verl's config named it
     assert all("kl_adapters/seq_kl" in m for m in doc["framework_metrics"]["kl_adapters:sequence"][0])
     assert not any("kl_adapters/seq_kl" in m for m in doc["framework_metrics"]["verl-default"][0])

@@ -128,14 +128,14 @@ def run_benchmark(bench: Benchmark, args: argparse.Namespace, settings: TrainSet
         try:
             return _run(bench, args, settings, command, chosen, problem, out, say)
         except BaseException:
-            say(f"failed; the frameworks' output and the traceback are in {log}")
+            say(f"failed (traceback below); the frameworks' output is in {log}")
             raise
 
 
 @contextlib.contextmanager
 def _framework_output_to(log: Path):
     """Point file descriptors 1 and 2 (this process and the workers it starts) at `log`; yield a print function
-    for the terminal. The descriptors are restored on exit (a traceback, printed after, goes to the log's end too)."""
+    for the terminal. The descriptors are restored on exit, so an exception's traceback reaches the terminal."""
     sys.stdout.flush(), sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     console = os.fdopen(os.dup(saved[0]), "w", buffering=1)

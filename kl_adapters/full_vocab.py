@@ -1,0 +1,311 @@
+"""The full-vocabulary (Rao-Blackwellized) KL estimator, preset name `full`: exact per-position KL over the vocabulary.
+
+Notation per sequence: KL_t = KL(pi(.|y_<t) || pi_ref(.|y_<t)) = sum_v pi(v) log(pi(v)/pi_ref(v)), exact at each
+prefix; g_t = grad log pi(y_t|y_<t); rho_t = pi(y_t)/mu(y_t), w_{1:t} = prod_{s<=t} rho_s (1 on-policy, w_{1:0} = 1).
+
+Gradient (per sequence; the loss averages over the B rows):
+
+    grad KL_seq = E_mu[ sum_t w_{1:t-1} grad KL_t  +  sum_t g_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) ]
+
+with grad KL_t pathwise through the policy's logits at t (prefix fixed) and KL_s, b_t detached. Derivation:
+KL_seq = sum_t E_pi[KL_t(y_<t)], and grad E_pi[f_theta(y_<t)] = E_pi[grad f + f sum_{u<t} g_u]; summing over t,
+the score g_u collects every KL_s with s > u. Off-policy, a function of y_<s needs the weight w_{1:s-1}: KL_s already
+averages y_s under pi, so one ratio fewer than the sampled-token form (E_mu[w_{1:s-1} f(y_<s)] = E_pi[f]); g_t KL_s
+(t < s) is such a function, and grad KL_t is one of y_<t. The baseline is exact for any b_t independent of y_t given
+y_<t: E_mu[w_{1:t} g_t b_t | y_<t] = w_{1:t-1} b_t E_pi[g_t | y_<t] = 0. Here b_t is the leave-one-out mean over the
+batch's (or group's) other rows alive at t of their return P_t = sum_{s>t} w_{t+1:s-1} KL_s -- the part of the
+score weight that follows position t -- computed with `reductions.conditional_returns` / `leave_one_out_baseline`
+(the same parts the `sequence` preset uses, fed with KL_{t+1} in place of k1_t; `full_statistics`). A row alone in
+its group gets b = 0. Pinned by tests/core/test_full_vocab.py::test_full_is_exact_over_every_batch (every ordered
+batch of G = 1, 2 sequences, on- and off-policy, ragged lengths).
+
+Value (for logging): sum_t w_{1:t-1} KL_t per sequence (= sum_t KL_t on-policy), unbiased for KL_seq.
+
+Memory. `full_kl_surrogate` takes both models' logits [B, T, V]; `full_kl_surrogate_from_hidden` takes hidden states
+and the output projections, so that neither model's [B, T, V] logits ever exist: both run over the real tokens in
+chunks of `chunk_size`, compute the gradient with respect to their inputs in the forward pass (closed form:
+d/dz [w KL(softmax z || q) + c log softmax(z)_y] = w p (log p - log q - KL) + c (e_y - p)), and keep only that
+gradient (the size of the inputs) for the backward pass. Peak extra memory: O(chunk_size x V) in float32, plus a
+float32 accumulator of the projection's gradient [V, H]. Each chunk's logits are computed twice (once for the KL
+terms, which every score weight depends on, once for the gradient). Arithmetic in float32 (float64 if an input is
+float64) whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._validate import check_batch, check_beta, check_group, check_statistics
+from .estimators import reverse_cumsum
+from .reductions import KLStatistics, conditional_returns, dense_group_ids, leave_one_out_baseline
+
+#: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes)
+CHUNK_SIZE = 1024
+
+#: metadata for the preset registry (presets.py, owned by the core): the estimator this module implements
+PRESET_METADATA = dict(
+    name="full",
+    summary="Rao-Blackwellized full-vocabulary KL: exact per-position KL (pathwise) plus the exact future KL as the "
+    "return, with a leave-one-out baseline. Unbiased on- and off-policy; needs both models' full next-token "
+    "distributions (logits or hidden states + output projection).",
+    gradient="sum_t w_{1:t-1} grad KL_t + sum_t grad log pi_t * (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t)",
+    importance_weights="per-decision prefix products with one ratio fewer (w_{1:t-1} on KL_t)",
+    target_on_policy="kl_seq",
+    target_off_policy="kl_seq",
+    unbiased_on_policy=True,
+    unbiased_off_policy=True,
+)
+
+
+def _shift_right(x: Tensor, fill: float) -> Tensor:
+    """y_t = x_{t-1}, y_1 = fill, along the last dimension."""
+    return torch.cat([torch.full_like(x[..., :1], fill), x[..., :-1]], -1)
+
+
+def _next(x: Tensor) -> Tensor:
+    """y_t = x_{t+1}, y_T = 0, along the last dimension."""
+    return torch.cat([x[..., 1:], torch.zeros_like(x[..., :1])], -1)
+
+
+def full_statistics(kl: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None = None) -> KLStatistics:
+    """Leave-one-out baseline b_{b,t} of `full` from detached per-token exact KL_t [B, T] (zero at padding).
+
+    b_{b,t} = mean over the other rows b' of b's group alive at t of P_{b',t} = sum_{s>t} w_{t+1:s-1} KL_s (their
+    return after t given they reached t); 0 where no other row is alive. cv_coef is unused by `full` (zeros).
+    Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
+    """
+    m = mask.to(kl.dtype)
+    dense = dense_group_ids(group, kl.shape[0], kl.device)
+    p, _ = conditional_returns(_next(kl * m), torch.zeros_like(kl), log_rho * m)
+    zero_coef = torch.zeros(kl.shape[0], dtype=kl.dtype, device=kl.device)
+    return KLStatistics(cv_coef=zero_coef, baseline=leave_one_out_baseline(p, torch.zeros_like(kl), m, zero_coef, dense))
+
+
+def full_coefficients(kl: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics) -> tuple[Tensor, Tensor]:
+    """The detached weights of `full` on a [B, T] batch: (pathwise weight w_{1:t-1} on grad KL_t, score weight
+    sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t on g_t), both zero at padding.
+
+    kl: exact per-token KL_t; log_rho: log pi/mu at the sampled tokens (zeros on-policy); mask: 0/1 in kl's dtype.
+    """
+    log_w = (log_rho * mask).cumsum(-1)
+    w = torch.exp(log_w) * mask
+    w_before = torch.exp(_shift_right(log_w, 0.0)) * mask
+    future = reverse_cumsum(w * _next(kl * mask))  # sum_{s>t} w_{1:s-1} KL_s
+    return w_before, (future - w * statistics.baseline) * mask
+
+
+def _check_full_inputs(logits_shape: torch.Size, ref_shape: torch.Size, tokens: Tensor, mask: Tensor,
+                       names: tuple[str, str]) -> None:
+    """[B, T, *] inputs of both models, [B, T] integer tokens and a [B, T] mask."""
+    if len(logits_shape) != 3:
+        raise ValueError(f"{names[0]} must be 3-D [B, T, *], got shape {tuple(logits_shape)}")
+    if tuple(ref_shape[:2]) != tuple(logits_shape[:2]) or len(ref_shape) != 3:
+        raise ValueError(f"{names[1]} has shape {tuple(ref_shape)}, expected [B, T, *] with [B, T] = "
+                         f"{tuple(logits_shape[:2])}")
+    for name, t in (("tokens", tokens), ("mask", mask)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(logits_shape[:2]):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logits_shape[:2])} ([B, T])")
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must hold integer token ids, got {tokens.dtype}")
+    if mask.is_complex() or (mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any())):
+        raise ValueError("mask must contain only 0/1 (or bool) values")
+
+
+def _chunk_terms(z: Tensor, z_ref: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row of a chunk of logits [n, V]: (log p [n, V], log q [n, V], KL(p || q) [n], log p(y) [n])."""
+    lp = torch.log_softmax(z, -1)
+    lq = torch.log_softmax(z_ref, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return lp, lq, kl, lp.gather(-1, y[:, None])[:, 0]
+
+
+def _chunk_grad(z: Tensor, z_ref: Tensor, y: Tensor, path_w: Tensor, score_c: Tensor) -> Tensor:
+    """d/dz [path_w KL(softmax z || softmax z_ref) + score_c log softmax(z)_y] per row: [n, V]."""
+    lp, lq, kl, _ = _chunk_terms(z, z_ref, y)
+    p = lp.exp()
+    grad = path_w[:, None] * p * (lp - lq - kl[:, None]) - score_c[:, None] * p
+    grad.scatter_add_(-1, y[:, None], score_c[:, None])
+    return grad
+
+
+#: chunk logits provider: (flat real-token indices of a chunk) -> (policy logits [n, V], reference logits [n, V])
+ChunkLogits = Callable[[Tensor], tuple[Tensor, Tensor]]
+
+
+def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], tokens: Tensor, mask: Tensor,
+             old_logp: Tensor | None, statistics: KLStatistics | None, group: Tensor | None, chunk_size: int,
+             dtype: torch.dtype) -> Tensor:
+    """Both passes over the real tokens; returns (1/B) sum_b sum_t w_{1:t-1} KL_t and hands each chunk's gradient of
+    (1/B) [sum w KL + sum c log pi(y)] with respect to its logits to on_grad(indices, grad)."""
+    batch, horizon = tokens.shape
+    m = mask if mask.dtype == torch.bool else mask != 0
+    flat = m.flatten().nonzero()[:, 0]
+    y = tokens.flatten()[flat].long()
+    kl_flat = torch.zeros(flat.numel(), dtype=dtype, device=tokens.device)
+    lp_flat, lq_flat = torch.zeros_like(kl_flat), torch.zeros_like(kl_flat)
+    with torch.no_grad():
+        for start in range(0, flat.numel(), chunk_size):
+            part = slice(start, start + chunk_size)
+            z, z_ref = logits_of(flat[part])
+            if int(y[part].min()) < 0 or int(y[part].max()) >= z.shape[-1]:
+                raise ValueError(f"tokens must be ids in [0, {z.shape[-1]}) at unmasked positions")
+            _, lq, kl_flat[part], lp_flat[part] = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
+            lq_flat[part] = lq.gather(-1, y[part, None])[:, 0]
+
+    def scatter(x: Tensor) -> Tensor:
+        return torch.zeros(batch * horizon, dtype=dtype, device=tokens.device).index_copy_(0, flat, x).view(batch,
+                                                                                                         horizon)
+    bad = torch.stack([~torch.isfinite(lp_flat).all(), ~torch.isfinite(lq_flat).all(), ~torch.isfinite(kl_flat).all()])
+    for name, is_bad in zip(("logits", "ref_logits", "KL(pi || pi_ref)"), bad.tolist()):
+        if is_bad:
+            raise ValueError(f"{name} has non-finite values (nan/inf) at unmasked positions")
+    logp, ref_logp = scatter(lp_flat), scatter(lq_flat)
+    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, None, logp)
+    check_batch(logp, ref_logp, mask, old_logp, also_finite=finite)
+    check_group(group, logp)
+    kl, mf = scatter(kl_flat), m.to(dtype)
+    log_rho = torch.zeros_like(logp) if old_logp is None else (logp - torch.where(m, old_logp.to(dtype), 0.0)) * mf
+    stats = full_statistics(kl, log_rho, mf, group) if statistics is None else KLStatistics(
+        statistics.cv_coef.detach().to(dtype), statistics.baseline.detach().to(dtype) * mf)
+    path_w, score_c = full_coefficients(kl, log_rho, mf, stats)
+    path_flat, score_flat = path_w.flatten()[flat] / batch, score_c.flatten()[flat] / batch
+    for start in range(0, flat.numel(), chunk_size):
+        part = slice(start, start + chunk_size)
+        z, z_ref = logits_of(flat[part])
+        on_grad(flat[part], _chunk_grad(z.to(dtype), z_ref.to(dtype), y[part], path_flat[part], score_flat[part]))
+    return (path_w * kl).sum() / batch
+
+
+def _working_dtype(*tensors: Tensor | None) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+class _FullFromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ref_logits, tokens, mask, old_logp, statistics, group, chunk_size):
+        vocab = logits.shape[-1]
+        flat_logits, flat_ref = logits.detach().reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab)
+        grad = torch.zeros_like(flat_logits) if logits.requires_grad else None
+
+        def on_grad(index: Tensor, g: Tensor) -> None:
+            if grad is not None:
+                grad[index] = g.to(grad.dtype)
+
+        value = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, old_logp, statistics, group,
+                         chunk_size, _working_dtype(logits, ref_logits, old_logp))
+        ctx.save_for_backward(None if grad is None else grad.view_as(logits))
+        return value
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), None, None, None, None, None, None, None
+
+
+class _FullFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, statistics, group, chunk_size):
+        h, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
+        h_ref, w_ref = ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach()
+        grad_h = torch.zeros_like(h) if hidden.requires_grad else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if weight.requires_grad else None
+
+        def on_grad(index: Tensor, g: Tensor) -> None:
+            if grad_h is not None:
+                grad_h[index] = (g.to(w.dtype) @ w).to(grad_h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.t().to(acc), h[index].to(acc))
+
+        value = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, old_logp, statistics,
+                         group, chunk_size, _working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp))
+        ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden),
+                              None if grad_w is None else grad_w.to(weight.dtype))
+        return value
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return ((None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)),
+                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 8)
+
+
+def _check_common(beta: float | Tensor, chunk_size: int, old_logp: Tensor | None) -> None:
+    check_beta(beta)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if old_logp is not None and not isinstance(old_logp, Tensor):
+        raise TypeError(f"old_logp must be a torch.Tensor or None, got {type(old_logp).__name__}")
+
+
+def full_kl_surrogate(
+    logits: Tensor,
+    ref_logits: Tensor,
+    tokens: Tensor,
+    mask: Tensor,
+    *,
+    beta: float | Tensor = 1.0,
+    old_logp: Tensor | None = None,
+    statistics: KLStatistics | None = None,
+    group: Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> Tensor:
+    """Preset `full` from both models' logits at the completion positions: a 0-dim loss term to add to a minimized loss.
+
+    logits [B, T, V] (policy, carrying the gradient; logits[b, t] predicts tokens[b, t]), ref_logits [B, T, V]
+    (reference, detached), tokens [B, T] sampled ids, mask [B, T] (bool or 0/1; ragged lengths and holes allowed;
+    padding may hold anything), old_logp [B, T] log mu(y_t) of the behaviour policy (None = on-policy).
+    Gradient: beta * (1/B) sum_b [sum_t w_{1:t-1} grad KL_t + sum_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) g_t]
+    (module docstring), unbiased for beta * grad KL_seq on- and off-policy; value beta * (1/B) sum_b sum_t
+    w_{1:t-1} KL_t. statistics: `full_statistics` of the whole rollout batch sliced to these rows; None = leave-one-out
+    within this batch (within `group` when given). Pinned by tests/core/test_full_vocab.py.
+    """
+    _check_common(beta, chunk_size, old_logp)
+    for name, t in (("logits", logits), ("ref_logits", ref_logits)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+    _check_full_inputs(logits.shape, ref_logits.shape, tokens, mask, ("logits", "ref_logits"))
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"ref_logits has shape {tuple(ref_logits.shape)}, expected {tuple(logits.shape)}")
+    return beta * _FullFromLogits.apply(logits, ref_logits, tokens, mask, old_logp, statistics, group, chunk_size)
+
+
+def full_kl_surrogate_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    tokens: Tensor,
+    mask: Tensor,
+    *,
+    beta: float | Tensor = 1.0,
+    old_logp: Tensor | None = None,
+    statistics: KLStatistics | None = None,
+    group: Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> Tensor:
+    """`full_kl_surrogate` with logits = hidden @ weight.T (policy) and ref_hidden @ ref_weight.T (reference), computed
+    chunk by chunk so that neither model's [B, T, V] logits exist; gradients flow to hidden and weight.
+
+    hidden [B, T, H], weight [V, H] (the policy's output projection, no bias), ref_hidden [B, T, H'], ref_weight
+    [V, H'] (detached). Same gradient, value, statistics and checks as `full_kl_surrogate`; peak extra memory
+    O(chunk_size x V) plus a float32 [V, H] gradient accumulator (tests/core/test_full_vocab.py::
+    test_hidden_path_never_materializes_full_logits).
+    """
+    _check_common(beta, chunk_size, old_logp)
+    for name, t in (("hidden", hidden), ("weight", weight), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+    _check_full_inputs(hidden.shape, ref_hidden.shape, tokens, mask, ("hidden", "ref_hidden"))
+    for name, w, h in (("weight", weight, hidden), ("ref_weight", ref_weight, ref_hidden)):
+        if w.dim() != 2 or w.shape[1] != h.shape[-1]:
+            raise ValueError(f"{name} must be [V, H] with H = {h.shape[-1]}, got {tuple(w.shape)}")
+    if ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"ref_weight has {ref_weight.shape[0]} rows (vocabulary), weight has {weight.shape[0]}")
+    return beta * _FullFromHidden.apply(hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, statistics,
+                                        group, chunk_size)

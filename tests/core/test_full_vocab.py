@@ -1,0 +1,217 @@
+"""The full-vocabulary estimator (`full`, kl_adapters/full_vocab.py): exact, chunked, bf16-safe, memory-bounded.
+
+Identity pinned by enumeration (module docstring of full_vocab.py):
+    grad KL_seq = E_mu[ sum_t w_{1:t-1} grad KL_t + sum_t g_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) ]
+for every ordered batch of G = 1, 2 sequences of a tabular policy (ragged lengths), on- and off-policy, with the
+baseline b_t leave-one-out over the batch's other row, computed by the loss or precomputed (rollout-time path).
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kl_adapters.audit import kl_seq, random_policies, relative_error, targets, token_logps
+from kl_adapters.full_vocab import full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics
+
+PROBLEMS = [(3, 3, 0, 1.0), (3, 3, 1, 0.2), (4, 2, 2, 0.6)]  # (vocab incl. EOS, horizon, seed, drift)
+
+
+@pytest.fixture(scope="module", params=PROBLEMS, ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}d{p[3]}")
+def problem(request):
+    vocab, horizon, seed, drift = request.param
+    return random_policies(vocab, horizon, seed, drift=drift, off_policy=0.6)
+
+
+def _expected_gradient(pol, size, regime, precomputed=False):
+    """Exact E[grad] over every ordered batch of `size` sequences sampled from pi (or mu), in one call: the batches are
+    stacked with one group id each (leave-one-out stays inside a batch) and each batch reads its own copy of the
+    tabular logits, so one backward pass returns every batch's gradient."""
+    sp = pol.space
+    batches = torch.cartesian_prod(*[torch.arange(sp.num_sequences)] * size).view(-1, size)
+    rows, group = batches.flatten(), torch.arange(len(batches)).repeat_interleave(size)
+    theta = pol.logits.expand(len(batches), *pol.logits.shape).clone().requires_grad_(True)
+    logits = theta[group[:, None], sp.node_of_token[rows]]
+    ref = pol.ref_logits[sp.node_of_token[rows]]
+    mask = sp.mask[rows]
+    old = token_logps(sp, pol.behaviour_logits)[rows] if regime == "off-policy" else None
+    stats = {"group": group}
+    if precomputed:
+        lp, lq = torch.log_softmax(logits.detach(), -1), torch.log_softmax(ref, -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1) * mask
+        log_rho = torch.zeros_like(kl) if old is None else (token_logps(sp, pol.logits)[rows] - old) * mask
+        stats = {"statistics": full_statistics(kl, log_rho, mask.double(), group)}
+    loss = full_kl_surrogate(logits, ref, sp.token[rows], mask, old_logp=old, **stats) * len(batches)
+    q = token_logps(sp, pol.logits if regime == "on-policy" else pol.behaviour_logits).sum(-1).exp()
+    return torch.einsum("k,kij->ij", q[batches].prod(-1), torch.autograd.grad(loss, theta)[0]).flatten()
+
+
+@pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
+@pytest.mark.parametrize(("size", "precomputed"), [(1, False), (2, False), (2, True)])
+def test_full_is_exact_over_every_batch(problem, regime, size, precomputed):
+    """E[(1/G) sum_b g_b] = grad KL_seq exactly, baseline leave-one-out within each batch (or precomputed)."""
+    sampler = problem.logits if regime == "on-policy" else problem.behaviour_logits
+    target = targets(problem.space, problem.logits, problem.ref_logits, sampler)["kl_seq"]
+    assert relative_error(_expected_gradient(problem, size, regime, precomputed), target) < 1e-10
+
+
+@pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
+def test_value_is_unbiased_for_sequence_kl(problem, regime):
+    """E_mu[sum_t w_{1:t-1} KL_t] = KL_seq (one sequence at a time)."""
+    sp = problem.space
+    old = token_logps(sp, problem.behaviour_logits) if regime == "off-policy" else None
+    q = token_logps(sp, problem.logits if old is None else problem.behaviour_logits).sum(-1).exp()
+    values = torch.stack([full_kl_surrogate(problem.logits[sp.node_of_token[i:i + 1]],
+                                            problem.ref_logits[sp.node_of_token[i:i + 1]], sp.token[i:i + 1],
+                                            sp.mask[i:i + 1], old_logp=None if old is None else old[i:i + 1])
+                          for i in range(sp.num_sequences)])
+    assert float(q @ values) == pytest.approx(float(kl_seq(sp, problem.logits, problem.ref_logits)), rel=1e-10)
+
+
+def _random_batch(batch=3, horizon=6, vocab=11, hidden=5, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, horizon, hidden, generator=gen, dtype=dtype)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=dtype)
+    h_ref = torch.randn(batch, horizon, hidden + 2, generator=gen, dtype=dtype)
+    w_ref = torch.randn(vocab, hidden + 2, generator=gen, dtype=dtype)
+    tokens = torch.randint(0, vocab, (batch, horizon), generator=gen)
+    mask = torch.ones(batch, horizon, dtype=torch.bool)
+    mask[0, 4:] = False
+    mask[1, 2] = False  # a hole (e.g. a tool token)
+    tokens[0, 5] = -100  # junk at padding is never read
+    old = -torch.rand(batch, horizon, generator=gen, dtype=dtype) - 2.0
+    return h, w, h_ref, w_ref, tokens, mask, old
+
+
+def _grads(loss, *inputs):
+    return [g.to(torch.float64) for g in torch.autograd.grad(loss, inputs)]
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["on", "off"])
+def test_chunked_hidden_path_equals_unchunked_logits_path(old):
+    h, w, h_ref, w_ref, tokens, mask, old_logp = _random_batch()
+    old_logp = old_logp if old else None
+    logits = (h @ w.T).requires_grad_(True)
+    ref = h_ref @ w_ref.T
+    base = full_kl_surrogate(logits, ref, tokens, mask, old_logp=old_logp, chunk_size=10 ** 6, beta=0.3)
+    (g_logits,) = _grads(base, logits)
+    for chunk in (1, 4, 7):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = full_kl_surrogate_from_hidden(hh, ww, h_ref, w_ref, tokens, mask, old_logp=old_logp, chunk_size=chunk,
+                                             beta=0.3)
+        g_h, g_w = _grads(loss, hh, ww)
+        assert float(loss.detach()) == pytest.approx(float(base.detach()), rel=1e-12)
+        torch.testing.assert_close(g_h, g_logits @ w, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g_w, g_logits.flatten(0, 1).T @ h.flatten(0, 1), rtol=1e-10, atol=1e-12)
+        chunked = full_kl_surrogate(logits, ref, tokens, mask, old_logp=old_logp, chunk_size=chunk, beta=0.3)
+        torch.testing.assert_close(_grads(chunked, logits)[0], g_logits, rtol=1e-12, atol=1e-14)
+
+
+def test_statistics_of_the_rollout_batch_sliced_into_micro_batches():
+    """Micro-batches of 2 rows with the whole batch's statistics sum (weighted m/N) to the whole-batch gradient."""
+    h, w, h_ref, w_ref, tokens, mask, _ = _random_batch(batch=4)
+    logits = (h @ w.T).requires_grad_(True)
+    ref = h_ref @ w_ref.T
+    lp, lq = torch.log_softmax(logits.detach(), -1), torch.log_softmax(ref, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1) * mask
+    stats = full_statistics(kl, torch.zeros_like(kl), mask.double())
+    whole = full_kl_surrogate(logits, ref, tokens, mask)
+    parts = sum(full_kl_surrogate(logits[r], ref[r], tokens[r], mask[r], statistics=stats[r]) * 0.5
+                for r in (slice(0, 2), slice(2, 4)))
+    torch.testing.assert_close(_grads(parts, logits)[0], _grads(whole, logits)[0], rtol=1e-12, atol=1e-14)
+
+
+def test_bf16_inputs_accumulate_in_float32():
+    h, w, h_ref, w_ref, tokens, mask, old = _random_batch(batch=2, horizon=32, vocab=64, hidden=8)
+    exact = [x.to(torch.bfloat16).to(torch.float64) for x in (h, w, h_ref, w_ref)]
+    logits = (exact[0] @ exact[1].T).requires_grad_(True)
+    base = full_kl_surrogate(logits, exact[2] @ exact[3].T, tokens, mask, old_logp=old)
+    low = (exact[0] @ exact[1].T).to(torch.bfloat16).requires_grad_(True)
+    loss = full_kl_surrogate(low, (exact[2] @ exact[3].T).to(torch.bfloat16), tokens, mask,
+                             old_logp=old.to(torch.bfloat16))
+    assert loss.dtype == torch.float32
+    assert float(loss.detach()) == pytest.approx(float(base.detach()), rel=2e-2)
+    g_low, g = _grads(loss, low)[0], _grads(base, logits)[0]
+    assert relative_error(g_low, g) < 3e-2
+    hb, wb = exact[0].to(torch.bfloat16).requires_grad_(True), exact[1].to(torch.bfloat16).requires_grad_(True)
+    loss_h = full_kl_surrogate_from_hidden(hb, wb, exact[2].to(torch.bfloat16), exact[3].to(torch.bfloat16), tokens,
+                                           mask, old_logp=old.to(torch.bfloat16), chunk_size=16)
+    g_h = _grads(loss_h, hb)[0]
+    assert float(loss_h.detach()) == pytest.approx(float(base.detach()), rel=3e-2)
+    assert relative_error(g_h, g @ exact[1]) < 5e-2
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operation returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_hidden_path_never_materializes_full_logits():
+    """Forward and backward from hidden states: no tensor reaches [B, T, V]; the largest is O(chunk x V) or [V, H]."""
+    batch, horizon, vocab, hidden, chunk = 4, 64, 512, 16, 32
+    h, w, h_ref, w_ref, tokens, mask, old = _random_batch(batch, horizon, vocab, hidden, dtype=torch.float32)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    with _LargestTensor() as probe:
+        loss = full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, old_logp=old, chunk_size=chunk)
+        loss.backward()
+    assert probe.largest <= chunk * vocab <= batch * horizon * vocab // 8
+
+
+def _bad(**change):
+    h, w, h_ref, w_ref, tokens, mask, old = _random_batch()
+    args = dict(logits=(h @ w.T).requires_grad_(True), ref_logits=h_ref @ w_ref.T, tokens=tokens, mask=mask)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    (dict(logits=torch.zeros(3, 6)), ValueError, "logits must be 3-D"),
+    (dict(ref_logits=torch.zeros(3, 6, 12, dtype=torch.float64)), ValueError, "ref_logits has shape"),
+    (dict(tokens=torch.zeros(3, 6)), TypeError, "integer token ids"),
+    (dict(tokens=torch.full((3, 6), 11)), ValueError, "tokens must be ids"),
+    (dict(mask=torch.ones(3, 5)), ValueError, "mask has shape"),
+    (dict(mask=torch.full((3, 6), 2.0)), ValueError, "only 0/1"),
+    (dict(ref_logits=torch.full((3, 6, 11), float("nan"), dtype=torch.float64)), ValueError, "ref_logits has non-f"),
+    (dict(logits=torch.full((3, 6, 11), float("inf"), dtype=torch.float64)), ValueError, "^logits has non-finite"),
+    (dict(old_logp=torch.zeros(3, 5, dtype=torch.float64)), ValueError, "old_logp has shape"),
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+    (dict(beta=-1.0), ValueError, "beta"),
+    (dict(group=torch.zeros(2, dtype=torch.long)), ValueError, "group has shape"),
+])
+def test_bad_inputs_raise_clear_errors(change, error, match):
+    with pytest.raises(error, match=match):
+        full_kl_surrogate(**_bad(**change))
+
+
+def test_junk_in_padding_is_ignored():
+    args = _bad()
+    logits = args["logits"].detach().clone()
+    logits[0, 5] = float("nan")
+    loss = full_kl_surrogate(logits.requires_grad_(True), args["ref_logits"], args["tokens"], args["mask"])
+    assert torch.isfinite(_grads(loss, logits)[0]).all()
+
+
+def test_statistics_must_align_with_the_batch():
+    args = _bad()
+    stats = full_statistics(torch.zeros(5, 6, dtype=torch.float64), torch.zeros(5, 6, dtype=torch.float64),
+                            torch.ones(5, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="statistics.cv_coef has shape"):
+        full_kl_surrogate(**args, statistics=stats)
+
+
+def test_hidden_path_checks_projection_shapes():
+    h, w, h_ref, w_ref, tokens, mask, _ = _random_batch()
+    with pytest.raises(ValueError, match="weight must be"):
+        full_kl_surrogate_from_hidden(h, w[:, :3], h_ref, w_ref, tokens, mask)
+    with pytest.raises(ValueError, match="ref_weight has"):
+        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref[:5], tokens, mask)

@@ -1,6 +1,6 @@
 """verl's actor update on one GPU (NCCL, world size 1) through verl's TrainingWorker + FSDP2 engine, with a 63M-
 parameter random Llama (12 layers, hidden 768, built from a config). Run as a script by test_gpu.py; prints one JSON
-line "RESULT{...}". Reuses engine_check.py's worker, batch and oracle (imported with --device cuda).
+line "RESULT{...}" (and --result FILE). Reuses engine_check.py's worker, batch and oracle (imported with --device cuda).
 
 --dtype float32|bfloat16 is the FSDP engine's compute dtype (master weights stay float32). Measured:
 - kl_rel_error: one SGD step (lr 1 = the gradient) with kl_loss_type=kl_adapters:<preset> vs the oracle (verl's
@@ -25,6 +25,7 @@ parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="c
 parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 parser.add_argument("--preset", default="sequence")
 parser.add_argument("--kl-steps", type=int, default=20)
+parser.add_argument("--result", help="also write the result JSON to this file")
 args = parser.parse_args()
 sys.argv = [sys.argv[0], "--device", args.device, "--preset", args.preset]  # engine_check reads its flags at import
 
@@ -115,6 +116,9 @@ def main():
               "flag_off_equal": flag_off_equal(path, old, ref, adv),
               "kl_history": kl_history(policy_path, current * mask)}
     print("RESULT" + json.dumps(result, default=float))
+    if args.result:
+        with open(args.result, "w") as f:
+            json.dump(result, f, default=float)
     torch.distributed.destroy_process_group()
 
 

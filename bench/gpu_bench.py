@@ -1,0 +1,194 @@
+"""GPU benchmark of one framework: step time and peak GPU memory, kl-adapters (preset "sequence") vs the framework's own
+KL term, interleaved call by call (ABBA, bench/timing.py), with the ratio of the medians. Goal (issue 13): step-time
+ratio <= 1.005, peak-memory ratio <= 1.01.
+
+  step      trl: GRPOTrainer.training_step (generation, rewards, reference and old log-probs, loss, backward) of a
+            63M-parameter random Llama, trl_step_overhead.py's trainers; verl: 63M Llama forward + ppo_loss + backward
+            (verl_overhead.py's step, low_var_kl vs kl_adapters:sequence); openrlhf: ActorPPOTrainer.training_step of an
+            84M-parameter Llama (openrlhf_overhead.py's step, k3 loss vs --algo.kl.preset sequence)
+  kl_term   the KL term alone at 8 x 4096 response tokens, forward + backward on log-prob leaves: kl_surrogate vs
+            the k3 token-mean term (every env); verl's ppo_loss at that shape (low_var_kl vs kl_adapters:sequence);
+            OpenRLHF's compute_approx_kl path (openrlhf_overhead.py's kl_term)
+Peak memory: torch.cuda.max_memory_allocated over one call of each configuration, after a reset (median of 3 rounds).
+
+On a GPU: writes bench/results/gpu_<framework>_<device>.json (write_result: command, environment, device) and a copy to
+--out. Without CUDA: a tiny smoke configuration (2 repeats, small shapes), written to --out only, never to results.
+Usage: python bench/gpu_bench.py --framework trl|verl|openrlhf --out DIR [--repeats 30]
+(scripts/gpu.sh run <framework> runs it on the device.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import types
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("KL_ADAPTERS", None)
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+from timing import alternating, compare, write_result  # noqa: E402
+
+NATIVE, ADAPTER = "native", "kl_adapters_sequence"
+#: (GPU, smoke) sizes
+KL_SHAPE = {True: (8, 4096), False: (2, 64)}
+LLAMA_63M = dict(hidden=768, layers=12, heads=12)
+
+
+def peak_memory(fns: dict[str, Callable[[], object]], rounds: int = 3) -> dict | None:
+    """Median over rounds of max_memory_allocated during one call of each configuration (bytes), and the ratio."""
+    if not torch.cuda.is_available():
+        return None
+    peaks = {name: [] for name in fns}
+    for i in range(rounds):
+        for name in fns if i % 2 == 0 else list(fns)[::-1]:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fns[name]()
+            torch.cuda.synchronize()
+            peaks[name].append(torch.cuda.max_memory_allocated())
+    med = {name: statistics.median(p) for name, p in peaks.items()}
+    return {"peak_bytes": med, "ratio": med[ADAPTER] / med[NATIVE], "rounds": peaks}
+
+
+def measure(fns: dict, repeats: int, before=None) -> dict:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    times = alternating(fns, repeats=repeats, warmup=3 if repeats > 2 else 1, sync=sync, before=before)
+    if before is not None:
+        for name in fns:  # the memory pass sets each configuration the same way
+            before(name, 0)
+    memory = peak_memory({name: (lambda n=name: (before and before(n, 0), fns[n]())) for name in fns})
+    return {**compare(times, NATIVE, ADAPTER), "memory": memory}
+
+
+def kl_term_core(device: str, gpu: bool) -> dict:
+    """kl_surrogate(sequence) vs the k3 token-mean term, forward + backward on a [B, T] log-prob leaf."""
+    from kl_adapters import kl_surrogate
+
+    batch, length = KL_SHAPE[gpu]
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
+    mask = (torch.arange(length)[None] < lengths[:, None]).to(device)
+    ref = (-3 * torch.rand(batch, length, generator=gen)).to(device)
+    old = (ref + 0.2 * torch.randn(batch, length, generator=gen).to(device)) * mask
+    logp = old.clone().requires_grad_(True)
+
+    def k3():
+        logp.grad = None
+        d = (ref - logp) * mask
+        ((d.exp() - d - 1) * mask).sum().div(mask.sum()).backward()
+
+    def sequence():
+        logp.grad = None
+        kl_surrogate(logp, ref, mask, preset="sequence", beta=1.0 / batch, old_logp=old).backward()
+
+    return {"shape": [batch, length], "native": "k3 token-mean", **measure({NATIVE: k3, ADAPTER: sequence}, REPEATS)}
+
+
+def trl_bench(device: str, gpu: bool) -> dict:
+    import trl_step_overhead as bench
+
+    from kl_adapters.tiny_models import save_tiny_model
+
+    model_dir = str(save_tiny_model(tempfile.mkdtemp(), **(LLAMA_63M if gpu else {"hidden": 32})))
+    trainers = {NATIVE: bench.build(model_dir, None, device), ADAPTER: bench.build(model_dir, "sequence", device)}
+    steps = {name: bench.train_step_fn(t) for name, t in trainers.items()}
+    return {"step": {"model": "random Llama " + json.dumps(LLAMA_63M if gpu else {"hidden": 32}),
+                     "what": "GRPOTrainer.training_step, 8 x 32 completion tokens, beta 0.04",
+                     **measure(steps, REPEATS, before=lambda _config, i: torch.manual_seed(i))}}
+
+
+def verl_bench(device: str, gpu: bool) -> dict:
+    import verl_overhead as bench
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    configs = {NATIVE: bench.actor_config("low_var_kl"), ADAPTER: bench.actor_config("kl_adapters:sequence")}
+    size = LLAMA_63M if gpu else {"hidden": 32, "layers": 2, "heads": 4}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=size["hidden"], intermediate_size=2 * size["hidden"],
+                                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                                         num_key_value_heads=size["heads"] // 2, max_position_embeddings=1024,
+                                         attn_implementation="eager")).to(device)
+    shape = {"batch": 16, "prompt": 16, "response": 256} if gpu else {"batch": 2, "prompt": 4, "response": 8}
+    data, _ = bench.ppo_inputs(**shape, device=device, seed=1)
+    ids = torch.randint(3, 512, (shape["batch"], shape["prompt"] + shape["response"]),
+                        generator=torch.Generator().manual_seed(3)).to(device)
+    batch, length = KL_SHAPE[gpu]
+    kl_data, flat = bench.ppo_inputs(batch=batch, prompt=16, response=length, device=device)
+    return {"step": {"model": "random Llama " + json.dumps(size), "shape": shape, **measure(
+                {n: bench.step_fn(c, model, ids, data["attention_mask"], data) for n, c in configs.items()}, REPEATS)},
+            "kl_term_verl_loss": {"shape": [batch, length], "what": "ppo_loss forward + backward, no model", **measure(
+                {n: bench.loss_fn(c, kl_data, flat) for n, c in configs.items()}, REPEATS)}}
+
+
+def openrlhf_bench(device: str, gpu: bool) -> dict:
+    import openrlhf_overhead as bench
+
+    batch, length = KL_SHAPE[gpu]
+    opts = types.SimpleNamespace(hidden=2048 if gpu else 32, batch=8 if gpu else 2, response=256 if gpu else 8,
+                                 device=device)
+    if not gpu:
+        for (owner, name), fn in bench.cuda_shims().items():
+            setattr(owner, name, fn)
+    with tempfile.TemporaryDirectory() as folder:
+        args, actor, tensors, old, base = bench.setup(opts, folder)
+        step = bench.training_step_fn(args, actor, tensors, old, base, device)
+        kl_opts = types.SimpleNamespace(**{**vars(opts), "batch": batch, "response": length})
+        _, _, kl_tensors, kl_old, kl_base = bench.setup(kl_opts, folder + "/kl")
+    kl_native, kl_patched = bench.kl_term_fn(kl_tensors, kl_old, kl_base)
+    result = {"step": {"model": f"random Llama, hidden {opts.hidden}, 2 layers", "what": "training_step (SGD lr 0)",
+                       **measure({NATIVE: step, ADAPTER: step}, REPEATS, before=bench.switch)},
+              "kl_term_openrlhf": {"shape": [batch, length], **measure({NATIVE: kl_native, ADAPTER: kl_patched},
+                                                                       REPEATS, before=bench.switch)}}
+    import kl_adapters
+
+    kl_adapters.disable()
+    return result
+
+
+BENCHES = {"trl": trl_bench, "verl": verl_bench, "openrlhf": openrlhf_bench}
+REPEATS = 30
+
+
+def main(argv: list[str] | None = None) -> int:
+    global REPEATS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--framework", required=True, choices=sorted(BENCHES))
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--repeats", type=int, default=30)
+    a = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    REPEATS = a.repeats if gpu else 2
+    torch.manual_seed(0)
+    result = {"framework": a.framework, "device": torch.cuda.get_device_name(0) if gpu else "cpu (smoke configuration)",
+              "repeats": REPEATS, "kl_term": kl_term_core(device, gpu), **BENCHES[a.framework](device, gpu)}
+    result["goal"] = {"step_time_ratio": 1.005, "peak_memory_ratio": 1.01}
+    a.out.mkdir(parents=True, exist_ok=True)
+    name = f"gpu_{a.framework}"
+    if gpu:
+        slug = re.sub(r"[^a-z0-9]+", "_", result["device"].lower()).strip("_")
+        path = write_result(f"{name}_{slug}", result)
+        (a.out / path.name).write_text(path.read_text())
+    else:
+        (a.out / f"{name}_smoke.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    for key, r in result.items():
+        if isinstance(r, dict) and "ratio" in r:
+            memory = r["memory"]["ratio"] if r["memory"] else None
+            print(f"{key:20s} native {1e3 * r['median_s'][NATIVE]:9.3f} ms  kl-adapters "
+                  f"{1e3 * r['median_s'][ADAPTER]:9.3f} ms  time ratio {r['ratio']:.4f}  memory ratio {memory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# What can be proven of the GPU suite without a GPU (issue 13, item 5), per framework (default: trl verl openrlhf):
+#   1. scripts/gpu.sh prepare <fw>: the wheelhouse .gpu-wheels/<fw> (network)
+#   2. checks.py wheelhouse <fw>: exactly envs/gpu-<fw>.txt (the CPU suite's pins) + kl-adapters, CPython 3.12
+#      manylinux x86_64 wheels, <= 60 MiB
+#   3. a stand-in of the device image: Python 3.12 with envs/device-image.txt installed from the package index, then
+#      everything the image does not hold (tests/device_image/image_packages.txt) removed; cached, keyed by those files
+#      (DEVICE_IMAGE_VENV to place it elsewhere)
+#   4. scripts/gpu.sh run <fw> <out> with that Python: the exact device command. --no-index install of the wheelhouse,
+#      the framework and kl-adapters imported (environment report), `pytest -m gpu tests/<fw>` collected and every test
+#      skipped, bench/gpu_bench.py's smoke configuration; checks.py run <fw> <out> checks what it left
+# Usage: tests/device_image/prove.sh [trl] [verl] [openrlhf]      (needs python3.12, PYTHON312 to name another)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+HERE="$ROOT/tests/device_image"
+[ $# -gt 0 ] || set -- trl verl openrlhf
+PY312=${PYTHON312:-$(command -v python3.12)}
+key=$(cat "$ROOT/envs/device-image.txt" "$HERE/image_packages.txt" | sha256sum | cut -c1-12)
+VENV=${DEVICE_IMAGE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kl-adapters/device-image-$key}
+OUT=$(mktemp -d -t device-image-XXXX)
+
+stand_in() {
+  [ -x "$VENV/bin/python" ] && [ -f "$VENV/.complete" ] && return
+  echo "=== building the device-image stand-in $VENV"
+  rm -rf "$VENV" && "$PY312" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/envs/device-image.txt"
+  # what the resolver pulled in that the image does not hold (e.g. typer's pydantic): gone, as on the device
+  local extra
+  extra=$("$VENV/bin/python" - "$HERE/image_packages.txt" <<'EOF'
+import importlib.metadata as m, re, sys
+image = set(open(sys.argv[1]).read().split())
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+print(" ".join(sorted({d.metadata["Name"] for d in m.distributions()} - {n for n in
+      (d.metadata["Name"] for d in m.distributions()) if norm(n) in image})))
+EOF
+)
+  [ -z "$extra" ] || "$VENV/bin/python" -m pip uninstall -q -y $extra
+  touch "$VENV/.complete"
+}
+
+status=0
+stand_in
+for fw in "$@"; do
+  start=$(date +%s)
+  echo "=== [$fw] wheelhouse"
+  "$ROOT/scripts/gpu.sh" prepare "$fw" || { status=1; continue; }
+  "$VENV/bin/python" "$HERE/checks.py" wheelhouse "$fw" || { status=1; continue; }
+  echo "=== [$fw] scripts/gpu.sh run $fw (device-image stand-in, no GPU)"
+  if ! PYTHON="$VENV/bin/python" GPU_SITE="$OUT/site-$fw" "$ROOT/scripts/gpu.sh" run "$fw" "$OUT/$fw" \
+      > "$OUT/$fw.log" 2>&1; then
+    tail -40 "$OUT/$fw.log"; status=1
+  fi
+  "$VENV/bin/python" "$HERE/checks.py" run "$fw" "$OUT/$fw" || { tail -40 "$OUT/$fw.log"; status=1; }
+  echo "=== [$fw] $(( $(date +%s) - start )) s"
+done
+[ $status -eq 0 ] && rm -rf "$OUT" && echo "device image proof passed: $*"
+exit $status

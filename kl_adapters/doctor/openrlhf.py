@@ -39,15 +39,19 @@ BETA_REWARD = ("--algo.kl.init_coef keeps its OpenRLHF meaning (per-token KL rew
                "the adapter)")
 
 
-def read(argv: list[str], env: dict[str, str] | None = None) -> Report:
+def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True) -> Report:
     """Report on train_ppo_ray arguments, or on a launch script when argv is one ``.sh`` path (its variables resolved
-    from `env`, default this process's environment)."""
+    from `env`, default this process's environment). strict=False reads past arguments this OpenRLHF release does
+    not know (e.g. a script written for another release), reporting them, where OpenRLHF itself would refuse them."""
     version = installed_version("openrlhf")
     command = launch_arguments(argv, MODULES, os.environ if env is None else env)
     preset_flag, args_in = _strip_flag(command.args)
     report = Report("openrlhf", version, " ".join(argv) or "(OpenRLHF defaults)", unresolved=command.unresolved)
     report.check_version()
-    args, printed = parse(args_in)
+    args, printed, unknown = parse(args_in, strict=strict)
+    if unknown:
+        report.add("unknown-arguments", "warning", f"OpenRLHF {version} refuses these arguments (written for another "
+                   f"release?), read past them: {' '.join(unknown)}")
     report.notes += [f"OpenRLHF: {line}" for line in printed]
     flag = preset_flag if preset_flag is not None else command.variables.get(ENV_VAR)
     _analyse(report, args, settings_or_error(flag, FLAG if preset_flag is not None else ENV_VAR))
@@ -61,18 +65,19 @@ def _strip_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return known.preset, rest
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse(argv: list[str], strict: bool = True) -> tuple[argparse.Namespace, list[str], list[str]]:
     """OpenRLHF's own parsing and validation of train_ppo_ray arguments (see the module docstring): (args, the lines
-    it printed). DoctorError on an argparse error or a failed assertion."""
+    it printed, the arguments it does not know). DoctorError on an argparse error or a failed assertion; with
+    strict=False its ``parser.parse_args()`` becomes ``parse_known_args()`` and unknown arguments are returned."""
     spec = importlib.util.find_spec("openrlhf.cli.train_ppo_ray")
     path = Path(spec.origin)
     tree = ast.parse(path.read_text(), str(path))
     main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     if len(main) != 1:
         raise DoctorError(f"{path} has no `if __name__ == '__main__':` block to read its parser from")
-    body = [s for s in main[0].body if not _starts_training(s)]
+    body = [s if strict else _known_args_only(s) for s in main[0].body if not _starts_training(s)]
     stdlib = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and _stdlib(n)]
-    code = compile(ast.Module(body=stdlib + body, type_ignores=[]), str(path), "exec")
+    code = compile(ast.fix_missing_locations(ast.Module(body=stdlib + body, type_ignores=[])), str(path), "exec")
     namespace = {"__name__": "kl_adapters_doctor", "__file__": str(path)}
     out, err = io.StringIO(), io.StringIO()
     saved = sys.argv
@@ -87,7 +92,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise DoctorError(f"OpenRLHF's argument validation failed: {type(failed).__name__}: {failed}") from None
     finally:
         sys.argv = saved
-    return namespace["args"], [line for line in out.getvalue().splitlines() if line.strip()]
+    printed = [line for line in out.getvalue().splitlines() if line.strip()]
+    return namespace["args"], printed, namespace.get(_UNKNOWN, [])
+
+
+_UNKNOWN = "_kl_adapters_unknown_arguments"
+
+
+def _known_args_only(statement: ast.stmt) -> ast.stmt:
+    """``args = parser.parse_args()`` -> ``args, <_UNKNOWN> = parser.parse_known_args()``; other statements as is."""
+    if ast.unparse(statement) != "args = parser.parse_args()":
+        return statement
+    replaced = ast.parse(f"args, {_UNKNOWN} = parser.parse_known_args()").body[0]
+    return ast.copy_location(replaced, statement)
 
 
 def _starts_training(statement: ast.stmt) -> bool:

@@ -13,6 +13,7 @@ Pinned by tests/core/test_doctor.py::test_shell_*.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import re
 import shlex
@@ -85,6 +86,9 @@ def _expand(token: str, env: Mapping[str, str], arrays: Mapping[str, list[str]],
     whole = re.fullmatch(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}", token)
     if whole and whole.group(1) in arrays:
         return [e for item in arrays[whole.group(1)] for e in _expand(item, env, arrays, unresolved)]
+    single = re.fullmatch(r"\$\{?([A-Za-z_]\w*)\}?", token)
+    if single and single.group(1) in env and len(env[single.group(1)].split()) > 1:
+        return env[single.group(1)].split()  # word splitting of a variable holding several arguments
     if token in ("$@", "$*"):
         unresolved.append(f"{token} (the script's own arguments, dropped)")
         return []
@@ -107,13 +111,64 @@ def _expand(token: str, env: Mapping[str, str], arrays: Mapping[str, list[str]],
     return [_REF.sub(sub, token)]
 
 
-def _words(text: str) -> list[str] | None:
-    """Shell words of a line; a command substitution $(...) / `...` becomes one `marker` word first."""
-    text = re.sub(r"\$\([^()]*\)|`[^`]*`", lambda m: marker(m.group(0)), text)
+def _words(text: str, variables: Mapping[str, str] | None = None) -> list[str] | None:
+    """Shell words of a line, up to the first pipe, redirection or command separator. Arithmetic $((...)) is
+    evaluated when its variables are known integers; any other $(...) / `...` becomes one `marker` word."""
     try:
-        return shlex.split(text, comments=True)
+        words = shlex.split(_substitute(text, variables or {}), comments=True)
     except ValueError:
         return None
+    end = next((i for i, w in enumerate(words) if _OPERATOR.match(w)), len(words))
+    return words[:end]
+
+
+_OPERATOR = re.compile(r"^(\|\|?|&&?|;|\d*>>?|\d*>&|<)")
+
+
+def _substitute(text: str, variables: Mapping[str, str]) -> str:
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$(", i):
+            depth, j = 0, i + 1
+            while j < len(text):
+                depth += {"(": 1, ")": -1}.get(text[j], 0)
+                if depth == 0:
+                    break
+                j += 1
+            body = text[i:j + 1]
+            out.append(_arithmetic(body[3:-2], variables) if body.startswith("$((") else marker(body))
+            i = j + 1
+        elif text[i] == "`" and "`" in text[i + 1:]:
+            j = text.index("`", i + 1)
+            out.append(marker(text[i:j + 1]))
+            i = j + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.Div: lambda a, b: a // b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+
+
+def _arithmetic(expression: str, variables: Mapping[str, str]) -> str:
+    """bash integer arithmetic (+ - * / %, parentheses, variables), or a marker when it uses anything else."""
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and re.fullmatch(r"-?\d+", variables.get(node.id, "")):
+            return int(variables[node.id])
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+            return _ARITHMETIC[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(ast.dump(node))
+
+    try:
+        return str(value(ast.parse(re.sub(r"\$\{?(\w+)\}?", r"\1", expression).strip(), mode="eval").body))
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return marker(f"$(({expression}))")
 
 
 def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | None = None) -> list[Command]:
@@ -126,7 +181,7 @@ def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | 
     case: list[str] | None = None  # the word of the enclosing `case`, expanded
     active, matched = True, False  # in a branch that applies; a branch of this case has applied
     for number, line in logical_lines(text):
-        head = _words(line.split(")", 1)[0] if _LABEL.match(line) else line) or [""]
+        head = _words(line.split(")", 1)[0] if _LABEL.match(line) else line, variables) or [""]
         if head[0] == "case" and len(head) >= 3:
             case, active, matched = [" ".join(_expand(head[1], variables, arrays, []))], False, False
             continue
@@ -146,9 +201,10 @@ def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | 
         if array and ")" in line.split("=(", 1)[1]:
             inner = line.split("=(", 1)[1].rsplit(")", 1)[0]
             noise: list[str] = []
-            arrays[array.group(1)] = [e for w in (_words(inner) or []) for e in _expand(w, variables, arrays, noise)]
+            arrays[array.group(1)] = [e for w in (_words(inner, variables) or []) for e in _expand(w, variables, arrays,
+                                                                                                   noise)]
             continue
-        words = _words(line)
+        words = _words(line, variables)
         if not words:
             continue
         module = _module_index(words, modules, paths)

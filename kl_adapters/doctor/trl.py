@@ -5,7 +5,9 @@ Input: the arguments of ``trl grpo|rloo`` (a YAML file as first argument means `
 (``.py``): the arguments of the usage command in its docstring plus the literal keyword arguments of its
 ``GRPOConfig(...)`` / ``RLOOConfig(...)`` call. kl-adapters' own fields (``--kl_preset``, ``--kl_is_clip``: see
 `kl_adapters.adapters.trl.KLGRPOConfig`) are read too. ``--use_cpu`` is added when absent: TrainingArguments refuses
-bf16 without a GPU, and the device does not touch the KL.
+bf16 without a GPU, and the device does not touch the KL. ``--num_processes N`` (accelerate's flag, also taken from
+the usage command) is the world size GRPOConfig validates its batch sizes against (default 1); it does not touch the
+KL either.
 
 KL paths (`kl_adapters.native`): GRPO's loss (beta * k3, times pi/pi_old with use_bias_correction_kl); RLOO's
 reward (beta * sum_t k1_t in the sequence reward). Pinned by tests/trl/test_doctor.py.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib
 import shlex
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import native
@@ -43,7 +46,7 @@ def read(argv: list[str], trainer: str | None = None) -> Report:
     trainer = trainer or "grpo"
     if trainer not in TRAINERS:
         raise DoctorError(f"TRL trainer must be one of {TRAINERS}, got {trainer!r}")
-    config, kl_flags = _parse(trainer, argv)
+    config, kl_flags = _parse(trainer, *_num_processes(argv))
     report = Report("trl", version, source)
     report.check_version()
     if trainer == "grpo":
@@ -80,6 +83,7 @@ def script_arguments(path: Path, extra: list[str]) -> tuple[str, list[str]]:
 
 
 def _usage_arguments(docstring: str, name: str) -> list[str]:
+    """The arguments after the script's name in the usage command, and accelerate's --num_processes before it."""
     for _, line in logical_lines(docstring):
         try:
             words = shlex.split(line)
@@ -87,18 +91,45 @@ def _usage_arguments(docstring: str, name: str) -> list[str]:
             continue
         for i, word in enumerate(words):
             if word.endswith(name):
-                return words[i + 1:]
+                launcher = words[:i]
+                n = launcher.index("--num_processes") if "--num_processes" in launcher else None
+                return words[i + 1:] + ([] if n is None else launcher[n:n + 2])
     return []
 
 
-def _parse(trainer: str, argv: list[str]):
+def _num_processes(argv: list[str]) -> tuple[list[str], int]:
+    """(argv without --num_processes N, N; the last one given wins, default 1)."""
+    processes = 1
+    while "--num_processes" in argv:
+        i = argv.index("--num_processes")
+        try:
+            processes = int(argv[i + 1])
+        except (IndexError, ValueError):
+            raise DoctorError("--num_processes needs an integer") from None
+        argv = argv[:i] + argv[i + 2:]
+    return argv, processes
+
+
+@contextmanager
+def _world_size(config_class: type, processes: int):
+    """TrainingArguments.world_size as `processes` while TRL validates a config (no process group is started)."""
+    config_class.world_size = property(lambda self: processes)
+    try:
+        yield
+    finally:
+        del config_class.world_size
+
+
+def _parse(trainer: str, argv: list[str], processes: int):
     script = importlib.import_module(f"trl.scripts.{trainer}")
     parser = script.make_parser()
     args = list(argv) + ([] if "--use_cpu" in argv else ["--use_cpu", "true"])
+    config_class = next(t for t in parser.dataclass_types if t.__name__ == _CONFIG_CLASS[trainer])
     try:
-        *parsed, remaining = parser.parse_args_and_config(args, return_remaining_strings=True)
+        with _world_size(config_class, processes):
+            *parsed, remaining = parser.parse_args_and_config(args, return_remaining_strings=True)
     except (SystemExit, ValueError, OSError, TypeError) as err:
-        raise DoctorError(f"TRL's parser refused the arguments: {err}") from None
+        raise DoctorError(f"TRL's parser refused the arguments ({processes} process(es)): {err}") from None
     config = next(p for p in parsed if type(p).__name__ == _CONFIG_CLASS[trainer])
     kl_flags: dict[str, str] = {}
     rest = list(remaining)

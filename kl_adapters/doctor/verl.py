@@ -13,6 +13,7 @@ checks GPU counts and batch divisibility, which do not touch the KL). Pinned by 
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 
 from .. import native
@@ -31,20 +32,25 @@ BETA_REWARD = ("algorithm.kl_ctrl.kl_coef keeps verl's meaning, a per-token rewa
                "scale; the KL reward-to-go is added after the advantage estimator (never divided by GRPO's std)")
 
 
-def read(argv: list[str], env: dict[str, str] | None = None) -> Report:
+def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True) -> Report:
     """Report on verl Hydra overrides, or on a launch script when argv is one ``.sh`` path (its variables resolved
-    from `env`, default this process's environment)."""
+    from `env`, default this process's environment). strict=False drops overrides of keys this verl release does not
+    have (e.g. a script written for another release), reporting them, where Hydra itself would refuse them."""
     version = installed_version("verl")
     command = launch_arguments(argv, MODULES, os.environ if env is None else env)
     report = Report("verl", version, " ".join(argv) or "(verl defaults)", unresolved=command.unresolved)
     report.check_version()
-    config = compose(command.args)
+    config, dropped = compose(command.args, strict=strict)
+    if dropped:
+        report.add("unknown-arguments", "warning", f"verl {version}'s config has no such keys (written for another "
+                   f"release?), read without them: {' '.join(dropped)}")
     _analyse(report, config, command.variables.get(ENV_VAR))
     return report
 
 
-def compose(overrides: list[str]):
-    """verl's config composed with `overrides` by Hydra, as ``python -m verl.trainer.main_ppo`` composes it."""
+def compose(overrides: list[str], strict: bool = True):
+    """(verl's config composed with `overrides` by Hydra, as ``python -m verl.trainer.main_ppo`` composes it, the
+    overrides dropped). strict=False drops, one at a time, each override Hydra refuses for a key the config lacks."""
     import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -64,11 +70,18 @@ def compose(overrides: list[str]):
             rest.append(item)
     if not os.path.exists(os.path.join(config_dir, f"{name}.yaml")):
         raise DoctorError(f"config {name!r} is not one of the installed verl's trainer configs ({config_dir})")
-    try:
-        with initialize_config_dir(config_dir=config_dir, version_base=None):
-            return hydra_compose(config_name=name, overrides=rest)
-    except (HydraException, OmegaConfBaseException, ValueError) as err:
-        raise DoctorError(f"Hydra could not compose verl's {name}.yaml with these overrides: {err}") from None
+    dropped: list[str] = []
+    while True:
+        try:
+            with initialize_config_dir(config_dir=config_dir, version_base=None):
+                return hydra_compose(config_name=name, overrides=rest), dropped
+        except (HydraException, OmegaConfBaseException, ValueError) as err:
+            missing = re.search(r"Could not (?:override|append to config)[^']*'([^']+)'", str(err))
+            culprit = [o for o in rest if missing and o.lstrip("+~").split("=", 1)[0] == missing.group(1)]
+            if strict or not culprit:
+                raise DoctorError(f"Hydra could not compose verl's {name}.yaml with these overrides: {err}") from None
+            rest.remove(culprit[0])
+            dropped.append(culprit[0])
 
 
 def _get(config, key: str):

@@ -186,3 +186,10 @@ def test_missing_framework_exits_2(framework, capsys):
         pytest.skip(f"{framework} is installed in this environment")
     assert main(["doctor", framework, "--json"]) == 2
     assert f"{framework} is not installed in this Python" in capsys.readouterr().err
+
+
+def test_shell_arithmetic_word_splitting_and_pipes():
+    text = ("N=4\nMAX=$(((N + 2) * 1024))\nEXTRA=\"a=1 b=2\"\n"
+            "python3 -m verl.trainer.main_ppo x=$((N * 64)) y=$MAX z=$((N * M)) $EXTRA 2>&1 | tee log.txt\n")
+    (command,) = find_commands(text, ("verl.trainer.main_ppo",), {})
+    assert command.args == ["x=256", "y=6144", f"z={UNRESOLVED}N_M", "a=1", "b=2"]

@@ -15,7 +15,7 @@ import torch
 from kl_adapters import native
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.cli import main
-from kl_adapters.doctor import SCHEMA, diagnose
+from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
 from kl_adapters.doctor.openrlhf import parse
 from kl_adapters.surrogate import kl_term
 from openrlhf_harness import base_argv, cli_args
@@ -98,6 +98,16 @@ def test_hazard(argv, code, severity):
     report = doctor(*argv)
     assert codes(report).get(code) == severity, report.hazards
     assert report.exit_code == 1 or severity == "warning"
+
+
+def test_arguments_of_another_release():
+    """Strict (the CLI): OpenRLHF 0.11.2 refuses a flag of 0.11.0's examples, so the doctor cannot read it (exit 2);
+    strict=False (the examples table) reads past it and says so."""
+    argv = BASE + ["--algo.advantage.is_correction_enable"]
+    with pytest.raises(DoctorError, match="unrecognized arguments: --algo.advantage.is_correction_enable"):
+        doctor(*argv)
+    report = diagnose("openrlhf", argv, env={}, strict=False)
+    assert codes(report)["unknown-arguments"] == "warning" and report.paths[0].native.preset == "reward-plain"
 
 
 def test_k3_in_the_reward_is_k3_reward():

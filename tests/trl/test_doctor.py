@@ -12,7 +12,7 @@ import pytest
 
 from kl_adapters.adapters import trl as adapter
 from kl_adapters.cli import main
-from kl_adapters.doctor import SCHEMA, diagnose
+from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "doctor" / "trl"
 
@@ -87,6 +87,14 @@ def test_rloo_on_policy_is_unbiased_and_off_policy_refused_by_the_adapter():
     for argv in (["--normalize_advantages", "true"], ["--num_iterations", "2"]):
         assert doctor("--beta", "0.05", *argv, trainer="rloo").verdict == "biased"
     assert doctor("--beta", "0", trainer="rloo").verdict == "no-kl"
+
+
+def test_world_size_only_matters_to_trls_batch_checks():
+    """GRPOConfig checks generation_batch_size against the world size: 16 generations need 2 processes of 8."""
+    argv = ["--beta", "0.04", "--num_generations", "16", "--per_device_train_batch_size", "8"]
+    with pytest.raises(DoctorError, match=r"\(1 process\(es\)\).*divisible by num_generations \(16\)"):
+        doctor(*argv)
+    assert doctor(*argv, "--num_processes", "2").paths[0].native.preset == "token"
 
 
 def test_yaml_config(tmp_path):

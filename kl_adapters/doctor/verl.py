@@ -170,7 +170,7 @@ def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> Non
     from ..adapters.verl import flag_settings
 
     coef = _number(config, f"{_ACTOR}.kl_loss_coef")
-    setting = f"kl_loss_type={loss_type}, kl_loss_coef={coef:g}, loss_agg_mode={agg}"
+    setting = f"kl_loss_type={loss_type}, kl_loss_coef={coef}, loss_agg_mode={agg}"
     try:
         settings = flag_settings(loss_type, default)
     except ValueError as err:
@@ -189,7 +189,7 @@ def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> Non
         if agg == "seq-mean-token-mean":
             report.add("length-normalized", "bias", "loss_agg_mode=seq-mean-token-mean divides each sequence's KL "
                        "by its own length: a length-normalized KL, not KL_seq")
-    if not coef:
+    if coef == 0:
         report.add("zero-coefficient", "no-op", "actor.use_kl_loss=True with kl_loss_coef=0: a reference model is "
                    "computed and the KL adds nothing")
 
@@ -200,7 +200,7 @@ def _reward_path(report: Report, config, agg: str, default) -> None:
     penalty = str(_get(config, f"{_ALGO}.kl_penalty"))
     estimator = str(_get(config, f"{_ALGO}.adv_estimator"))
     ctrl, coef = str(_get(config, f"{_ALGO}.kl_ctrl.type")), _number(config, f"{_ALGO}.kl_ctrl.kl_coef")
-    setting = f"kl_penalty={penalty}, kl_coef={coef:g} ({ctrl}), adv_estimator={estimator}"
+    setting = f"kl_penalty={penalty}, kl_coef={coef} ({ctrl}), adv_estimator={estimator}"
     try:
         settings = flag_settings(penalty, default)
     except ValueError as err:
@@ -235,7 +235,7 @@ def _reward_path(report: Report, config, agg: str, default) -> None:
     if agg == "seq-mean-token-mean":
         report.add("length-normalized", "bias", "loss_agg_mode=seq-mean-token-mean divides each sequence's KL "
                    "return by its own length in the policy loss: a length-normalized KL")
-    if not coef and ctrl != "adaptive":
+    if coef == 0 and ctrl != "adaptive":
         report.add("zero-coefficient", "no-op", "algorithm.use_kl_in_reward=True with kl_ctrl.kl_coef=0: the KL "
                    "reward is always zero")
 

@@ -60,8 +60,9 @@ def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor |
     return m
 
 
-def check_statistics(cv_coef: Tensor, baseline: Tensor, logp: Tensor) -> dict[str, Tensor]:
-    """KLStatistics rows must align with the [B, T] batch: cv_coef [B], baseline [B, T], floating, on logp's device.
+def check_statistics(cv_coef: Tensor, baseline: Tensor, alone: Tensor | None, logp: Tensor) -> dict[str, Tensor]:
+    """KLStatistics rows must align with the [B, T] batch: cv_coef [B], baseline [B, T] floating, alone None or [B]
+    bool, all on logp's device.
 
     Returns the tensors to check for finiteness at real tokens (broadcast to [B, T]) in check_batch's one sync.
     """
@@ -77,6 +78,12 @@ def check_statistics(cv_coef: Tensor, baseline: Tensor, logp: Tensor) -> dict[st
             raise TypeError(f"{name} must be floating point, got {t.dtype}")
         if t.device != logp.device:
             raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
+    if alone is not None:
+        import torch
+        if not isinstance(alone, Tensor) or alone.dtype != torch.bool or alone.shape != logp.shape[:1]:
+            raise TypeError(f"statistics.alone must be None or a bool tensor of shape ({logp.shape[0]},)")
+        if alone.device != logp.device:
+            raise ValueError(f"statistics.alone is on {alone.device}, logp on {logp.device}")
     return {"statistics.cv_coef": cv_coef[:, None].expand(logp.shape), "statistics.baseline": baseline}
 
 

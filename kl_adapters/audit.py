@@ -150,19 +150,6 @@ def preset_moments(
     return Moments(mean=mean, variance=variance, value_mean=float((q * torch.stack(values)).sum()))
 
 
-def token_scores(space: SequenceSpace, logits: Tensor) -> Tensor:
-    """[N, T, P] grad_theta log pi(y_t | y_<t) of every enumerated sequence, flattened over the P = nodes x V logits:
-    e_{node, y_t} - e_node (x) softmax(theta[node]) (the softmax score), 0 at padding."""
-    n, horizon = space.token.shape
-    probs = torch.softmax(logits.detach(), -1)
-    scores = torch.zeros(n, horizon, len(space.nodes), space.vocab, dtype=logits.dtype)
-    rows, cols = torch.nonzero(space.mask, as_tuple=True)
-    node = space.node_of_token[rows, cols]
-    scores[rows, cols, node] = -probs[node]
-    scores[rows, cols, node, space.token[rows, cols]] += 1.0
-    return scores.flatten(2)
-
-
 def batch_moments(
     space: SequenceSpace,
     logits: Tensor,
@@ -173,13 +160,14 @@ def batch_moments(
     behaviour_logits: Tensor | None = None,
     groups: tuple[int, ...] | None = None,
     precomputed: bool = False,
-    chunk: int = 4096,
+    chunk: int = 16384,
 ) -> tuple[Tensor, float]:
     """Exact E[g] and tr Cov[g] of the batch gradient g of `kl_surrogate` on G = group_size i.i.d. sequences.
 
     Enumerates every ordered batch (N^G of them), weighted by prod_j q(y_j) with q = pi, or mu (old_logp = log mu).
     g = (1/G) sum_j sum_t c_{j,t} grad log pi(y_{j,t}) with the preset's weights c on that batch (kl_coefficients;
-    the gradient is exactly that sum, tests/core/test_properties.py) and the closed-form scores `token_scores`.
+    the gradient is exactly that sum, tests/core/test_properties.py) and the closed-form softmax score
+    grad_theta log pi(y_t | node) = e_{node, y_t} - e_node (x) softmax(theta[node]), scattered into the node's logits.
     Batches are stacked into one [chunk * G, T] call with one group id per batch, so the leave-one-out statistics
     stay inside each batch; groups = a G-tuple of local ids splits each batch further (e.g. (0, 0, 1)), and
     precomputed=True passes kl_statistics of the same rows as statistics= (the rollout-time path).
@@ -190,11 +178,13 @@ def batch_moments(
     ref = token_logps(space, ref_logits).detach()
     old = None if behaviour_logits is None else token_logps(space, behaviour_logits).detach()
     q = (lp if old is None else old).sum(-1).exp()
-    scores = token_scores(space, logits)
+    vocab, num_params = space.vocab, len(space.nodes) * space.vocab
+    score = torch.eye(vocab, dtype=DTYPE)[space.token] - torch.softmax(logits.detach(), -1)[space.node_of_token]
+    param = space.node_of_token[..., None] * vocab + torch.arange(vocab)  # [N, T, V] flat index of each score entry
     local = torch.tensor(groups if groups is not None else (0,) * group_size)
     if local.shape != (group_size,) or int(local.min()) < 0:
         raise ValueError(f"groups must give one local id >= 0 per sequence of the batch, got {groups} for G={group_size}")
-    mean = torch.zeros(scores.shape[-1], dtype=DTYPE)
+    mean = torch.zeros(num_params, dtype=DTYPE)
     second = torch.zeros((), dtype=DTYPE)
     digits = n ** torch.arange(group_size - 1, -1, -1)
     for start in range(0, n ** group_size, chunk):
@@ -208,7 +198,11 @@ def batch_moments(
             stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group)}
                      if precomputed else {"group": group})
         c = kl_coefficients(lp[rows], ref[rows], space.mask[rows], preset=spec, old_logp=old_rows, **stats)
-        g = torch.einsum("rt,rtp->rp", c, scores[rows]).view(len(batch_ids), group_size, -1).mean(1)
+        values = c[..., None] * score[rows] / group_size  # [C * G, T, V]; c = 0 at padding
+        batch_of_row = torch.arange(len(batch_ids)).repeat_interleave(group_size)
+        g = torch.zeros(len(batch_ids) * num_params, dtype=DTYPE)
+        g.index_add_(0, (batch_of_row[:, None, None] * num_params + param[rows]).flatten(), values.flatten())
+        g = g.view(len(batch_ids), num_params)
         weight = q[seq].prod(-1)
         mean += weight @ g
         second += weight @ g.square().sum(-1)

@@ -100,10 +100,11 @@ def _reward_plain(t: Terms) -> Tensor:
 
 
 def _future_cv(t: Terms) -> tuple[Tensor, Tensor]:
-    """The reductions' per-token pieces: a_b (r_t - 1) (control variate) and b_{b,t} (baseline), zero at padding."""
+    """The reductions' per-token pieces: a_{b,t} (r_t - 1) (control variate) and b_{b,t} (baseline), zero at padding."""
     if t.statistics is None:
         raise ValueError("this preset needs batch statistics (kl_term computes them); got Terms without statistics")
-    return t.statistics.cv_coef[:, None] * control_variate(t.k1, t.mask), t.statistics.baseline * t.mask
+    cv = control_variate(t.k1, t.mask)
+    return t.statistics.coefficient(t.k1, cv, t.mask) * cv, t.statistics.baseline * t.mask
 
 
 def _sequence(t: Terms) -> Tensor:

@@ -17,11 +17,13 @@ G = 1, 2, 3 sequences enumerated, on- and off-policy):
 Where a and b come from (`batch_statistics`): leave-one-out over the OTHER sequences of the batch (or of the same
 group), which are independent of the sequence they are used for. Per row b:
     a_b = clamp(-sum_{b'!=b, t} k1 (r - 1) / sum_{b'!=b, t} (r - 1)^2, 0, 1)      (regression of k1 on r - 1)
-    b_{b,t} = LOO-mean over the other rows alive at t of P_{b',t} + a_b Q_{b',t}    (0 if none is alive at t)
+    b_{b,t} = lambda_b * LOO-mean over the other rows alive at t of P_{b',t} + a_b Q_{b',t}   (0 if none is alive)
 with P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1), i.e. the other rows' return
 from t given they reached t, computed with row b's OWN coefficient a_b (a_{b'} depends on row b's tokens, so using
-it would make b's baseline depend on b). A row with no other tokens to fit on (B = 1, or alone in its group) gets
-the single-sample form a_b = SINGLE_SAMPLE_CV_COEF, b = 0.
+it would make b's baseline depend on b); lambda_b in [0, 1] shrinks a noisy mean of few returns toward 0
+(`leave_one_out_baseline`). A row with no other tokens to fit on (B = 1, or alone in its group) gets the
+single-sample form (`causal_cv_coef`): b = 0 and, per future position s, the same regression fitted on the row's
+OWN tokens before s (a function of y_<s, which the argument of 1. allows), SINGLE_SAMPLE_CV_COEF before any token.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from .estimators import reverse_cumsum
 
-#: control-variate coefficient of a row that has no other sequence to fit it on (B = 1 or a group of one).
+#: control-variate coefficient of a row with no other sequence, at positions with no earlier token of its own.
 SINGLE_SAMPLE_CV_COEF = 0.0
 
 
@@ -43,15 +45,24 @@ class KLStatistics:
 
     cv_coef   [B]    a_b, the control-variate coefficient of the future terms of row b
     baseline  [B, T] b_{b,t}, the baseline subtracted (times w_{1:t}) from row b's return at position t
-    Slice both along the batch dimension together with the batch they belong to (e.g. into micro-batches).
+    alone     [B]    bool, rows with no other sample: their coefficient is fitted on their own earlier tokens
+                     (`causal_cv_coef`) and cv_coef is unused; None = no such row
+    Slice them along the batch dimension together with the batch they belong to (e.g. into micro-batches).
     """
 
     cv_coef: Tensor
     baseline: Tensor
+    alone: Tensor | None = None
 
     def __getitem__(self, rows) -> KLStatistics:
         """The statistics of a subset of rows (a slice, index tensor or bool mask over the batch dimension)."""
-        return KLStatistics(cv_coef=self.cv_coef[rows], baseline=self.baseline[rows])
+        return KLStatistics(cv_coef=self.cv_coef[rows], baseline=self.baseline[rows],
+                            alone=None if self.alone is None else self.alone[rows])
+
+    def coefficient(self, k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
+        """[B, T] control-variate coefficient a_{b,s} of each future term: a_b, or the causal fit for alone rows."""
+        coef = self.cv_coef[:, None].expand_as(k1)
+        return coef if self.alone is None else torch.where(self.alone[:, None], causal_cv_coef(k1, cv, mask), coef)
 
 
 def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
@@ -77,17 +88,27 @@ def _others_sum(x: Tensor, dense: Tensor) -> Tensor:
     return totals[dense] - x
 
 
-def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, dense: Tensor) -> Tensor:
-    """a_b = clamp(-sum_{others} k1 cv / sum_{others} cv^2, 0, 1); SINGLE_SAMPLE_CV_COEF where others have no token.
+def _regression(num: Tensor, den: Tensor) -> Tensor:
+    """clamp(num / den, 0, 1) for num = -sum k1 (r - 1), den = sum (r - 1)^2; SINGLE_SAMPLE_CV_COEF where den = 0.
 
     -k1 (r - 1) >= 0 always (k1 and r - 1 have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
     (r - 1 = -k1 + O(k1^2)). An overflowed r (inf / inf) gives a = 0, the plain k1 return.
     """
-    num = _others_sum(-(k1 * cv * mask).sum(-1), dense)
-    den = _others_sum((cv.square() * mask).sum(-1), dense)
     ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0)
-    has_others = _others_sum(mask.sum(-1), dense) > 0
-    return torch.where(has_others, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
+    return torch.where(den > 0, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
+
+
+def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, dense: Tensor) -> Tensor:
+    """a_b = clamp(-sum_{others} k1 (r - 1) / sum_{others} (r - 1)^2, 0, 1) over the other rows of b's group."""
+    return _regression(_others_sum(-(k1 * cv * mask).sum(-1), dense), _others_sum((cv.square() * mask).sum(-1), dense))
+
+
+def causal_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
+    """[B, T] a_{b,s} = clamp(-sum_{u<s} k1_u (r_u - 1) / sum_{u<s} (r_u - 1)^2, 0, 1) over the row's own earlier
+    tokens: a function of y_<s, so E[g_t w_{1:s} a_{b,s} (r_s - 1)] = 0 for t < s still holds (module docstring, 1.)."""
+    num = (-(k1 * cv * mask)).cumsum(-1) + k1 * cv * mask
+    den = (cv.square() * mask).cumsum(-1) - cv.square() * mask
+    return _regression(num, den)
 
 
 def conditional_returns(k1: Tensor, cv: Tensor, log_rho: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,12 +124,35 @@ def conditional_returns(k1: Tensor, cv: Tensor, log_rho: Tensor) -> tuple[Tensor
     return p, q
 
 
-def leave_one_out_baseline(p: Tensor, q: Tensor, mask: Tensor, cv_coef: Tensor, dense: Tensor) -> Tensor:
-    """b_{b,t} = (sum_{b' alive at t} P_{b',t} + a_b Q_{b',t}) / #{b' != b alive at t} over the other rows of b's
-    group; 0 where no other row is alive at t. Exact as a baseline: it is a function of the other rows and a_b only."""
+def leave_one_out_baseline(p: Tensor, q: Tensor, k1: Tensor, cv: Tensor, mask: Tensor, cv_coef: Tensor,
+                           dense: Tensor) -> Tensor:
+    """b_{b,t} = lambda_b * m_{b,t}: the leave-one-out mean m_{b,t} of P_{b',t} + a_b Q_{b',t} over the other rows of
+    b's group alive at t (0 where none is), shrunk toward 0 by a positive-part James-Stein factor pooled over positions,
+
+        lambda_b = max(0, 1 - sum_t V_{b,t} / n_{b,t} / sum_t m_{b,t}^2)    (sums over t with n_{b,t} > 0)
+
+    n_{b,t} = number of other rows alive at t, V_{b,t} = var(k1) + L_{b,t} var(k1 + a_b (r - 1)) the variance of one
+    return from t (per-token variances pooled over the other rows' tokens, L = their mean number of tokens after t).
+    A mean of few returns is noisy: subtracting it adds V / n to the variance and removes m^2, so lambda keeps it
+    where it pays. Exact as a baseline: every quantity is a function of the other rows and a_b only.
+    """
     count = _others_sum(mask, dense)
-    total = _others_sum(p * mask, dense) + cv_coef[:, None] * _others_sum(q * mask, dense)
-    return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
+    alive = count > 0
+    per_count = count.clamp(min=1)
+    mean = (_others_sum(p * mask, dense) + cv_coef[:, None] * _others_sum(q * mask, dense)) / per_count
+    mean = torch.where(alive, mean, torch.zeros_like(mean))
+    tokens = _others_sum(mask.sum(-1), dense).clamp(min=1)
+    pooled = {name: _others_sum((x * mask).sum(-1), dense) / tokens
+              for name, x in (("k1", k1), ("k1k1", k1 * k1), ("cv", cv), ("k1cv", k1 * cv), ("cvcv", cv * cv))}
+    a = cv_coef
+    var_k1 = pooled["k1k1"] - pooled["k1"].square()
+    var_x = (pooled["k1k1"] + 2 * a * pooled["k1cv"] + a.square() * pooled["cvcv"]
+             - (pooled["k1"] + a * pooled["cv"]).square())
+    after = _others_sum((reverse_cumsum(mask) - mask) * mask, dense) / per_count
+    noise = torch.where(alive, (var_k1[:, None] + after * var_x[:, None]) / per_count, torch.zeros_like(mean))
+    signal = mean.square().sum(-1)
+    shrink = torch.where(signal > 0, 1 - noise.sum(-1) / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
+    return shrink.clamp(min=0.0)[:, None] * mean
 
 
 def batch_statistics(k1: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None) -> KLStatistics:
@@ -117,4 +161,6 @@ def batch_statistics(k1: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | 
     cv = control_variate(k1, mask)
     cv_coef = loo_cv_coef(k1, cv, mask, dense)
     p, q = conditional_returns(k1, cv, log_rho)
-    return KLStatistics(cv_coef=cv_coef, baseline=leave_one_out_baseline(p, q, mask, cv_coef, dense))
+    alone = _others_sum(mask.sum(-1), dense) == 0
+    baseline = leave_one_out_baseline(p, q, k1, cv, mask, cv_coef, dense)
+    return KLStatistics(cv_coef=cv_coef, baseline=baseline, alone=alone)

@@ -35,7 +35,8 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
 
     Given statistics are validated in the same host synchronisation and attached to Terms in the working dtype.
     """
-    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, logp)
+    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, statistics.alone,
+                                                            logp)
     m = check_batch(logp, ref_logp, mask, old_logp, also_finite=finite)
     check_is_clip(is_clip)
     if is_clip is not None and old_logp is None:
@@ -47,7 +48,7 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     k1 = lp_d - torch.where(m, ref_logp.detach().to(dtype), zero)
     log_rho = zero.expand_as(lp) if old_logp is None else lp_d - torch.where(m, old_logp.detach().to(dtype), zero)
     stats = None if statistics is None else KLStatistics(statistics.cv_coef.detach().to(dtype),
-                                                          statistics.baseline.detach().to(dtype) * m)
+                                                          statistics.baseline.detach().to(dtype) * m, statistics.alone)
     return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip, statistics=stats)
 
 

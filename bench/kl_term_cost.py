@@ -1,0 +1,81 @@
+"""Core cost of the KL term: kl_term + surrogate + backward, plain vs variance-reduced presets, on [B, T] batches.
+
+Configurations (off-policy batches: old_logp given, float32 inputs, the shapes of a long and a wide micro-batch):
+  sequence-plain / reward-plain     today's estimators
+  sequence / reward                 reduced, statistics computed from the batch itself (leave-one-out over its rows)
+  sequence+stats                    reduced, statistics precomputed by kl_statistics (the rollout-time path)
+All configurations of one shape alternate call by call (ABBA); medians and the ratio to the plain preset are reported.
+No framework is involved (framework-level overheads: bench/*_overhead.py).
+Usage: .venvs/core/bin/python bench/kl_term_cost.py [--repeats 60] [--device cpu|cuda] [--note TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from timing import alternating, compare, write_result  # noqa: E402
+
+from kl_adapters import kl_statistics, kl_term  # noqa: E402
+
+SHAPES = [(8, 4096), (64, 512)]
+
+
+def batch(b: int, t: int, device: str):
+    gen = torch.Generator(device=device).manual_seed(0)
+    logp = -torch.rand(b, t, generator=gen, device=device) * 2
+    ref = logp + 0.1 * torch.randn(b, t, generator=gen, device=device)
+    old = logp + 0.05 * torch.randn(b, t, generator=gen, device=device)
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=gen, device=device)
+    mask = torch.arange(t, device=device)[None] < lengths[:, None]
+    return logp, ref, old, mask
+
+
+def configs(logp, ref, old, mask):
+    stats = kl_statistics(logp, ref, mask, old_logp=old)
+
+    def step(preset, **kw):
+        def run():
+            x = logp.detach().requires_grad_(True)
+            kl_term(x, ref, mask, preset=preset, old_logp=old, **kw).surrogate(0.05).backward()
+        return run
+
+    return {"sequence-plain": step("sequence-plain"), "sequence": step("sequence"),
+            "sequence+stats": step("sequence", statistics=stats), "reward-plain": step("reward-plain"),
+            "reward": step("reward")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--note", default="", help="measurement conditions (e.g. other work running)")
+    args = parser.parse_args()
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+    results = {}
+    for b, t in SHAPES:
+        times = alternating(configs(*batch(b, t, args.device)), repeats=args.repeats, sync=sync)
+        row = {"median_ms": {c: 1e3 * statistics.median(v) for c, v in times.items()}}
+        for plain, reduced in (("sequence-plain", "sequence"), ("sequence-plain", "sequence+stats"),
+                               ("reward-plain", "reward")):
+            cmp = compare(times, plain, reduced)
+            row[f"{reduced}/{plain}"] = {"ratio": cmp["ratio"], "median_paired_ratio": cmp["median_paired_ratio"]}
+        results[f"{b}x{t}"] = row
+        cells = "  ".join(f"{c} {ms:.2f} ms" for c, ms in row["median_ms"].items())
+        print(f"{b}x{t}: {cells}")
+        for k, v in row.items():
+            if k != "median_ms":
+                print(f"    {k}: ratio of medians {v['ratio']:.2f}, median paired ratio {v['median_paired_ratio']:.2f}")
+    path = write_result(f"kl_term_cost_{args.device.split(':')[0]}",
+                        {"device": args.device, "repeats": args.repeats, "note": args.note, "results": results})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

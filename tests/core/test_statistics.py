@@ -1,0 +1,155 @@
+"""Batch statistics of the reduced presets: leave-one-out by construction, sliceable, validated; is_ess.
+
+The exactness of the reduced presets rests on one property (kl_adapters/reductions.py): row b's statistics are
+functions of the OTHER rows of its group only. Pinned directly here (changing row b leaves its statistics unchanged)
+and through the expectation in tests/core/test_batch_exactness.py.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kl_adapters import KLStatistics, PRESETS, kl_coefficients, kl_statistics, kl_surrogate, kl_term
+
+REDUCED = [n for n, p in PRESETS.items() if p.uses_batch_statistics]
+
+
+def _batch(seed=0, B=5, T=7, lengths=(7, 3, 5, 1, 6), off=0.2):
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
+    ref = logp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    old = logp + off * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    return logp, ref, mask, old
+
+
+@st.composite
+def batches(draw):
+    b, t = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    lengths = tuple(draw(st.lists(st.integers(0, t), min_size=b, max_size=b)))
+    logp, ref, mask, old = _batch(draw(st.integers(0, 10**6)), b, t, lengths)
+    group = torch.tensor(draw(st.lists(st.integers(-3, 3), min_size=b, max_size=b)))
+    return logp, ref, mask, old if draw(st.booleans()) else None, group if draw(st.booleans()) else None
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches(), row=st.integers(0, 5), scale=st.floats(0.1, 3.0))
+def test_a_rows_statistics_do_not_depend_on_the_row(batch, row, scale):
+    logp, ref, mask, old, group = batch
+    row = row % logp.shape[0]
+    before = kl_statistics(logp, ref, mask, old_logp=old, group=group)
+    logp2 = logp.clone()
+    logp2[row] = logp[row] * scale - 0.1  # another sample in row b (and another length)
+    mask2 = mask.clone()
+    mask2[row] = torch.arange(mask.shape[1]) < (mask.shape[1] - int(mask[row].sum()))
+    after = kl_statistics(logp2, ref, mask2, old_logp=old, group=group)
+    assert torch.allclose(before.cv_coef[row], after.cv_coef[row], rtol=1e-12, atol=1e-14)
+    assert torch.allclose(before.baseline[row] * mask2[row], after.baseline[row] * mask2[row], rtol=1e-10, atol=1e-12)
+    assert torch.equal(before.alone[row], after.alone[row])
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches(), name=st.sampled_from(REDUCED), cut=st.integers(0, 6))
+def test_statistics_sliced_into_micro_batches_give_the_whole_batch_weights(batch, name, cut):
+    """kl_statistics on the whole batch, sliced with it, reproduces the whole-batch weights in every micro-batch."""
+    logp, ref, mask, old, group = batch
+    whole = kl_coefficients(logp, ref, mask, preset=name, old_logp=old, group=group)
+    stats = kl_statistics(logp, ref, mask, old_logp=old, group=group)
+    for rows in (slice(0, cut), slice(cut, None)):
+        if logp[rows].shape[0] == 0:
+            continue
+        part = kl_coefficients(logp[rows], ref[rows], mask[rows], preset=name,
+                               old_logp=None if old is None else old[rows], statistics=stats[rows])
+        assert torch.allclose(part, whole[rows], rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_group_ids_are_labels_and_batch_order_does_not_matter(batch):
+    logp, ref, mask, old, group = batch
+    group = torch.zeros(logp.shape[0], dtype=torch.long) if group is None else group
+    perm = torch.randperm(logp.shape[0])
+    a = kl_statistics(logp, ref, mask, old_logp=old, group=group)
+    relabelled = kl_statistics(logp[perm], ref[perm], mask[perm], old_logp=None if old is None else old[perm],
+                               group=group[perm] * 7 + 100)
+    assert torch.allclose(a.cv_coef[perm], relabelled.cv_coef, rtol=1e-12)
+    assert torch.allclose(a.baseline[perm], relabelled.baseline, rtol=1e-10, atol=1e-12)
+
+
+def test_single_sequence_and_singleton_groups_use_the_single_sample_form():
+    logp, ref, mask, _ = _batch()
+    stats = kl_statistics(logp, ref, mask, group=torch.tensor([0, 0, 1, 2, 2]))
+    assert stats.alone.tolist() == [False, False, True, False, False]
+    assert torch.all(stats.baseline[2] == 0)
+    one = kl_statistics(logp[:1], ref[:1], mask[:1])
+    assert one.alone.tolist() == [True] and torch.all(one.baseline == 0)
+    # a row whose others have no real token is alone too
+    empty = mask.clone()
+    empty[1:] = False
+    assert kl_statistics(logp, ref, empty).alone[0]
+
+
+def test_statistics_are_detached_and_in_the_working_dtype():
+    logp, ref, mask, _ = _batch()
+    x = logp.float().requires_grad_(True)
+    stats = kl_statistics(x, ref.float(), mask)
+    assert stats.cv_coef.dtype == stats.baseline.dtype == torch.float32
+    assert not stats.cv_coef.requires_grad and not stats.baseline.requires_grad
+    assert stats.cv_coef.shape == (5,) and stats.baseline.shape == (5, 7)
+
+
+def test_bad_statistics_and_group_are_refused():
+    logp, ref, mask, old = _batch()
+    stats = kl_statistics(logp, ref, mask)
+    with pytest.raises(ValueError, match="silent no-op"):
+        kl_surrogate(logp, ref, mask, preset="sequence-plain", statistics=stats)
+    with pytest.raises(ValueError, match="silent no-op"):
+        kl_term(logp, ref, mask, preset="token", group=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="not both"):
+        kl_surrogate(logp, ref, mask, statistics=stats, group=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="slice the statistics"):
+        kl_surrogate(logp[:3], ref[:3], mask[:3], statistics=stats)
+    with pytest.raises(ValueError, match=r"statistics.baseline has shape \(5, 6\)"):
+        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.baseline[:, :6]))
+    with pytest.raises(TypeError, match="statistics.cv_coef must be a torch.Tensor"):
+        kl_surrogate(logp, ref, mask, statistics=KLStatistics([0.5] * 5, stats.baseline))
+    with pytest.raises(TypeError, match="statistics.alone"):
+        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.baseline, stats.alone.long()))
+    nan = stats.baseline.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="statistics.baseline has non-finite"):
+        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
+    nan[0, 0] = 0.0
+    nan[3, 6] = float("nan")  # padding of row 3 (length 1): never read
+    kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
+    with pytest.raises(ValueError, match=r"group has shape \(4,\)"):
+        kl_statistics(logp, ref, mask, group=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer ids"):
+        kl_surrogate(logp, ref, mask, group=torch.zeros(5))
+    with pytest.raises(TypeError, match="group must be a torch.Tensor"):
+        kl_statistics(logp, ref, mask, group=[0, 0, 1, 1, 2])
+
+
+def test_given_statistics_equal_the_batch_own():
+    logp, ref, mask, old = _batch()
+    for name in REDUCED:
+        own = kl_term(logp, ref, mask, preset=name, old_logp=old)
+        given_ = kl_term(logp, ref, mask, preset=name, old_logp=old, statistics=kl_statistics(logp, ref, mask,
+                                                                                             old_logp=old))
+        assert torch.equal(own.coefficients, given_.coefficients)
+
+
+def test_is_ess_of_the_full_sequence_weights():
+    """is_ess = (sum_b W_b)^2 / (B sum_b W_b^2), W_b = prod_t rho_{b,t}: 1 on-policy, exact for known weights."""
+    logp, ref, mask, _ = _batch(B=2, T=3, lengths=(3, 2))
+    assert kl_term(logp, ref, mask).is_ess.item() == 1.0
+    old = logp.clone()
+    old[1, 0] -= torch.log(torch.tensor(3.0, dtype=torch.float64))  # W = (1, 3)
+    old[1, 2] = 99.0  # padding: never read
+    ess = kl_term(logp, ref, mask, old_logp=old).is_ess
+    assert ess.dim() == 0 and not ess.requires_grad
+    assert float(ess) == pytest.approx(16 / 20, rel=1e-14)
+    huge = logp.clone()
+    huge[0] -= 400.0  # W_0 = e^1200: no overflow, the ESS of one dominant weight among 2
+    assert float(kl_term(logp, ref, mask, old_logp=huge).is_ess) == pytest.approx(0.5, rel=1e-12)

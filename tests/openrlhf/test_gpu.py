@@ -1,0 +1,160 @@
+"""OpenRLHF on a GPU: ActorPPOTrainer.ppo_train with OpenRLHF's own DeepspeedStrategy (ZeRO stage 0, world size 1,
+NCCL) on an 84M-parameter random Llama (2 layers, hidden 2048; built from a config, no hub). Marked `gpu`; skipped
+without CUDA. Run on the device: scripts/gpu.sh run openrlhf (README, GPU section). Ray is not started (the import
+is tests/device_image/ray_stub on the device); flash_attn / vllm are the suite's import stubs (eager attention).
+
+The run is the loss-path run of test_loss_path.py (openrlhf_harness.ppo_train_on: 8 ragged sequences, micro-batches
+of 2, gradient accumulation 2, 2 epochs), with the DeepSpeed engine in place of the CPU strategy shim. Checks:
+- the gradient identity on the first optimizer step (DeepSpeed's full gradient, deepspeed.utils.safe_get_full_grad,
+  before the step) against openrlhf_harness.reference_grad: float32 to FP32_RTOL of the KL part (as on CPU), bf16 to
+  BF16_RTOL of the whole gradient and closer than the gradient without the KL term;
+- the flag off (--algo.kl.preset none) bit-identical to OpenRLHF never patched (every step's gradient, the status);
+- finite metrics; with zero advantages (the KL term, beta 0.1, is the whole loss) OpenRLHF's own `kl` falls.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kl_adapters  # noqa: E402
+from kl_adapters import activation  # noqa: E402
+from kl_adapters.presets import get_preset  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+#: float32: relative to the KL part of the gradient, as test_loss_path.py on CPU
+FP32_RTOL = 1e-4
+#: bf16 (DeepSpeed's bf16 engine, float32 master weights and gradients): each backward rounds to 8 mantissa bits
+BF16_RTOL = 5e-2
+HIDDEN = 2048  # 2 layers: 84M parameters
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from openrlhf_cpu_shim import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("llama_84m")
+    return (save_tiny_model(str(folder / "actor"), seed=1, hidden=HIDDEN),
+            save_tiny_model(str(folder / "ref"), seed=2, hidden=HIDDEN))
+
+
+@pytest.fixture(scope="module")
+def batch(models):
+    from openrlhf_harness import loss_path_batch
+
+    return loss_path_batch(*models)
+
+
+def cli(actor_dir: str, dtype: str, *extra: str):
+    from openrlhf_harness import base_argv, cli_args
+
+    return cli_args(base_argv(actor_dir) + ["--ds.zero_stage", "0", "--ds.param_dtype", dtype,
+                                            "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1e9", *extra])
+
+
+class GradientLog:
+    """Wraps DeepspeedStrategy.optimizer_step: at each gradient-accumulation boundary, the full gradient and the
+    float32 parameters the engine is about to step from (grad_log / params_log, as the CPU strategy shim records)."""
+
+    def __init__(self, strategy):
+        self.grad_log, self.params_log = [], []
+        self._step = strategy.optimizer_step
+        strategy.optimizer_step = self
+
+    def __call__(self, optimizer, model, scheduler, name="model", **kwargs):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+        engine = model.model
+        if engine.is_gradient_accumulation_boundary():
+            named = list(engine.module.named_parameters())
+            self.params_log.append({n: safe_get_full_fp32_param(p).detach().clone() for n, p in named})
+            self.grad_log.append(torch.cat([safe_get_full_grad(p).float().flatten() for _, p in named]).clone())
+        return self._step(optimizer, model, scheduler, name=name, **kwargs)
+
+
+def deepspeed_run(monkeypatch, args, actor_dir: str, batch: dict, statistics=None):
+    """openrlhf_harness.ppo_train_on with OpenRLHF's DeepspeedStrategy and Actor (ds config, adam, constant lr)."""
+    import openrlhf_harness
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils import get_strategy
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    log = GradientLog(strategy)
+
+    def build_trainer(args, _actor, *, micro_batch, gas, device, **kwargs):
+        assert gas == strategy.accumulated_gradient
+        actor = Actor(actor_dir, attn_implementation="eager", param_dtype=args.ds.param_dtype,
+                      ds_config=strategy.get_ds_train_config())
+        cfg = dict(optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam), lr_scheduler="constant",
+                   lr_warmup_ratio=0.0, min_lr_ratio=1.0, max_norm=args.actor.max_norm, scheduler_steps=100)
+        actor, optimizer, scheduler = strategy.prepare((actor, cfg))
+        return ActorPPOTrainer(strategy, actor, ema_model=None, actor_optim=optimizer, actor_scheduler=scheduler,
+                               micro_train_batch_size=micro_batch)
+
+    monkeypatch.setattr(openrlhf_harness, "build_trainer", build_trainer)
+    trainer, steps, status = openrlhf_harness.ppo_train_on(args, actor_dir, batch, mesh=strategy.ds_device_mesh,
+                                                           device="cuda", statistics=statistics)
+    return trainer, steps, status, log
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gradient_identity_under_deepspeed(monkeypatch, models, batch, dtype):
+    from openrlhf_harness import BETA, GAS, batch_statistics, load_params, reference_grad
+
+    settings = activation.parse("sequence")
+    kl_adapters.enable(settings.preset)
+    stats = batch_statistics(batch) if get_preset(settings.preset).uses_batch_statistics else None
+    trainer, steps, status, log = deepspeed_run(monkeypatch, cli(models[0], dtype), models[0], batch,
+                                                statistics=stats)
+    assert len(log.grad_log) == len(steps) // GAS == 4
+    assert all(math.isfinite(float(v)) for v in status.values() if isinstance(v, (int, float, torch.Tensor)))
+    model = load_params(models[0], log.params_log[0])
+    own = None if stats is None else (batch, stats)
+    expected = reference_grad(model, steps[:GAS], trainer, settings, BETA, statistics=own)
+    task_only = reference_grad(model, steps[:GAS], trainer, settings, 0.0, statistics=own)
+    grad, kl_part = log.grad_log[0], (expected - task_only).norm()
+    assert kl_part > 0.1 * expected.norm(), "the KL term must matter in this test"
+    if dtype == "fp32":
+        assert (grad - expected).norm() < FP32_RTOL * kl_part
+    else:
+        assert (grad - expected).norm() < BF16_RTOL * expected.norm()
+        assert (grad - expected).norm() < 0.5 * (grad - task_only).norm()
+
+
+def test_flag_off_is_bit_identical_under_deepspeed(monkeypatch, models, batch):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        args = cli(models[0], "bf16")
+        _, _, pristine_status, pristine = deepspeed_run(monkeypatch, args, models[0], batch)
+        kl_adapters.enable("sequence")
+        off = copy.deepcopy(args)
+        off.algo.kl.preset = "none"
+        _, _, patched_status, patched = deepspeed_run(monkeypatch, off, models[0], batch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(pristine.grad_log) == len(patched.grad_log) == 4
+    assert all(torch.equal(a, b) for a, b in zip(pristine.grad_log, patched.grad_log))
+    assert patched_status == pristine_status
+
+
+def test_kl_falls_with_large_beta(monkeypatch, models, batch):
+    """Zero advantages: the loss is beta * KL alone. 10 epochs over the batch (20 optimizer steps, Adam 1e-4): the
+    `kl` OpenRLHF logs (k3 token mean at the current parameters) of the last 4 micro-batches is below half the first
+    4's, and every logged value is finite."""
+    kl_adapters.enable("sequence")
+    zero = {**batch, "advantages": torch.zeros_like(batch["advantages"])}
+    args = cli(models[0], "bf16", "--train.max_epochs", "10", "--actor.adam.lr", "1e-4")
+    _, steps, _, log = deepspeed_run(monkeypatch, args, models[0], zero)
+    kl = [float(exp.info["kl"]) for exp, _ in steps]
+    assert len(log.grad_log) == 20 and all(math.isfinite(v) for v in kl)
+    assert sum(kl[-4:]) < 0.5 * sum(kl[:4]), kl

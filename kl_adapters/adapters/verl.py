@@ -318,12 +318,12 @@ def _tag_rows(make_iterator: Callable) -> Callable:
     """Wrap verl's tensordict_utils.make_iterator, with which TrainingWorker.train_mini_batch splits the batch an actor
     worker trains on (its data-parallel shard of the whole rollout batch, every PPO epoch) into shuffled mini-batches,
     that the engine splits into micro-batches for ppo_loss. A batch holding the KL loss's inputs gets a `_ROW` column
-    (its row indices; verl slices and shuffles it with the rows) and is kept until ppo_loss first needs its statistics.
-    ppo_loss reads only the fields it selects, so the extra column changes no output of verl's own code."""
+    (its row indices; verl slices and shuffles it with the rows) and is kept until ppo_loss first needs its statistics
+    (a batch split again is tagged again and gets fresh statistics). ppo_loss reads only the fields it selects, so the
+    extra column changes no output of verl's own code."""
 
     def patched(tensordict, *args, **kwargs):
-        keys = set(tensordict.keys())
-        if {"old_log_probs", "ref_log_prob", "response_mask"} <= keys and _ROW not in keys:
+        if {"old_log_probs", "ref_log_prob", "response_mask"} <= set(tensordict.keys()):
             import torch
 
             tensordict[_ROW] = torch.arange(tensordict.batch_size[0])

@@ -236,3 +236,27 @@ def test_flag_off_update_is_bit_identical_with_the_row_column(off_policy):
     ours = shuffled_update_grads(off_policy, config)
     verl_adapter.unpatch()
     assert torch.equal(ours, shuffled_update_grads(off_policy, config))
+
+
+def test_a_batch_split_again_gets_fresh_statistics(off_policy):
+    """The worker's statistics belong to the batch of the current split: after the same TensorDict is split again with
+    other behaviour log-probs, the KL term uses statistics of the new values (not the previous update's)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils import losses
+
+    case = off_policy
+    mask = case.tokens["response_mask"]
+    config = actor_config(kl_loss_type="kl_adapters:sequence")
+    data = case.data()
+    for part in tu.make_iterator(data, mini_batch_size=mask.shape[0], epochs=1):  # statistics of the first values
+        losses.ppo_loss(config, {"log_probs": flat_log_probs(case.model, part)}, part)
+    shifted = (case.old + 0.1) * mask
+    data["old_log_probs"] = shifted
+    (part,) = list(tu.make_iterator(data, mini_batch_size=mask.shape[0], epochs=1))
+    flagged = flat_grad(losses.ppo_loss(config, {"log_probs": flat_log_probs(case.model, part)}, part)[0], case.model)
+    task = flat_grad(losses.ppo_loss(actor_config(use_kl_loss=False), {"log_probs": flat_log_probs(case.model, part)},
+                                     part)[0], case.model)
+    lp = padded(case.log_probs(), case.tokens)
+    kl = kl_surrogate(lp, case.ref, mask, preset="sequence", beta=beta_seq(case, "token-mean"), old_logp=shifted,
+                      statistics=kl_statistics(shifted, case.ref, mask))
+    assert_kl_part(flagged, task, flat_grad(kl, case.model))

@@ -29,6 +29,7 @@ Writes bench/results/variance_<name>.{json,txt,png} (name: full, quick, micro, o
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shlex
@@ -43,6 +44,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import RESULTS, write_result  # noqa: E402
 
+import kl_adapters  # noqa: E402
 from kl_adapters import PRESETS, kl_coefficients, kl_statistics  # noqa: E402
 from kl_adapters.full_vocab import full_coefficients, full_statistics  # noqa: E402
 
@@ -374,6 +376,13 @@ def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
     fig.savefig(path, dpi=110)
 
 
+def core_fingerprint() -> dict[str, str]:
+    """sha256 (first 12 hex digits) of the installed estimator sources the numbers depend on."""
+    root = Path(kl_adapters.__file__).parent
+    return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12]
+            for f in ("presets.py", "reductions.py", "surrogate.py", "full_vocab.py")}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small grid: T 16 64 256, G 4 16, drift 0.05, on/off")
@@ -424,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     table = micro_table(rows) if args.micro else grid_table(rows, args.presets)
     command = " ".join(shlex.quote(a) for a in [".venvs/core/bin/python", "bench/variance.py", *sys.argv[1:]])
     settings = {k: v for k, v in vars(args).items() if k not in ("quick", "micro", "name")}
+    settings["sources_sha256"] = core_fingerprint()
     header = (f"command: {command}\nsettings: {json.dumps(settings)}\nruntime: {seconds:.0f} s on 1 thread "
               f"(shared 2-core machine, other work running)\n")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -73,15 +73,19 @@ def _next(x: Tensor) -> Tensor:
 def full_statistics(kl: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None = None) -> KLStatistics:
     """Leave-one-out baseline b_{b,t} of `full` from detached per-token exact KL_t [B, T] (zero at padding).
 
-    b_{b,t} = mean over the other rows b' of b's group alive at t of P_{b',t} = sum_{s>t} w_{t+1:s-1} KL_s (their
-    return after t given they reached t); 0 where no other row is alive. cv_coef is unused by `full` (zeros).
+    b_{b,t} = the leave-one-out mean over the other rows b' of b's group alive at t of P_{b',t} = sum_{s>t}
+    w_{t+1:s-1} KL_s (their return after t given they reached t), 0 where no other row is alive, with the shrinkage
+    of `reductions.leave_one_out_baseline` (its per-token terms are KL_{t+1} here, with no control variate).
+    cv_coef is unused by `full` (zeros).
     Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
     """
     m = mask.to(kl.dtype)
     dense = dense_group_ids(group, kl.shape[0], kl.device)
     p, _ = conditional_returns(_next(kl * m), torch.zeros_like(kl), log_rho * m)
     zero_coef = torch.zeros(kl.shape[0], dtype=kl.dtype, device=kl.device)
-    return KLStatistics(cv_coef=zero_coef, baseline=leave_one_out_baseline(p, torch.zeros_like(kl), m, zero_coef, dense))
+    none = torch.zeros_like(kl)
+    baseline = leave_one_out_baseline(p=p, q=none, k1=_next(kl * m), cv=none, mask=m, cv_coef=zero_coef, dense=dense)
+    return KLStatistics(cv_coef=zero_coef, baseline=baseline)
 
 
 def full_coefficients(kl: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics) -> tuple[Tensor, Tensor]:

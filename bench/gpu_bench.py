@@ -72,7 +72,7 @@ def measure(fns: dict, repeats: int, before=None) -> dict:
     return {**compare(times, NATIVE, ADAPTER), "memory": memory}
 
 
-def kl_term_core(device: str, gpu: bool) -> dict:
+def kl_term_core(device: str, gpu: bool, repeats: int) -> dict:
     """kl_surrogate(sequence) vs the k3 token-mean term, forward + backward on a [B, T] log-prob leaf."""
     from kl_adapters import kl_surrogate
 
@@ -93,10 +93,10 @@ def kl_term_core(device: str, gpu: bool) -> dict:
         logp.grad = None
         kl_surrogate(logp, ref, mask, preset="sequence", beta=1.0 / batch, old_logp=old).backward()
 
-    return {"shape": [batch, length], "native": "k3 token-mean", **measure({NATIVE: k3, ADAPTER: sequence}, REPEATS)}
+    return {"shape": [batch, length], "native": "k3 token-mean", **measure({NATIVE: k3, ADAPTER: sequence}, repeats)}
 
 
-def trl_bench(device: str, gpu: bool) -> dict:
+def trl_bench(device: str, gpu: bool, repeats: int) -> dict:
     import trl_step_overhead as bench
 
     from kl_adapters.tiny_models import save_tiny_model
@@ -106,19 +106,19 @@ def trl_bench(device: str, gpu: bool) -> dict:
     steps = {name: bench.train_step_fn(t) for name, t in trainers.items()}
     return {"step": {"model": "random Llama " + json.dumps(LLAMA_63M if gpu else {"hidden": 32}),
                      "what": "GRPOTrainer.training_step, 8 x 32 completion tokens, beta 0.04",
-                     **measure(steps, REPEATS, before=lambda _config, i: torch.manual_seed(i))}}
+                     **measure(steps, repeats, before=lambda _config, i: torch.manual_seed(i))}}
 
 
-def verl_bench(device: str, gpu: bool) -> dict:
+def verl_bench(device: str, gpu: bool, repeats: int) -> dict:
     import verl_overhead as bench
     from transformers import LlamaConfig, LlamaForCausalLM
 
     configs = {NATIVE: bench.actor_config("low_var_kl"), ADAPTER: bench.actor_config("kl_adapters:sequence")}
     size = LLAMA_63M if gpu else {"hidden": 32, "layers": 2, "heads": 4}
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=size["hidden"], intermediate_size=2 * size["hidden"],
-                                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                                         num_key_value_heads=size["heads"] // 2, max_position_embeddings=1024,
-                                         attn_implementation="eager")).to(device)
+    config = LlamaConfig(vocab_size=512, hidden_size=size["hidden"], intermediate_size=2 * size["hidden"],
+                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                         num_key_value_heads=size["heads"] // 2, max_position_embeddings=1024, attn_implementation="eager")
+    model = LlamaForCausalLM(config).to(device)
     shape = {"batch": 16, "prompt": 16, "response": 256} if gpu else {"batch": 2, "prompt": 4, "response": 8}
     data, _ = bench.ppo_inputs(**shape, device=device, seed=1)
     ids = torch.randint(3, 512, (shape["batch"], shape["prompt"] + shape["response"]),
@@ -126,12 +126,12 @@ def verl_bench(device: str, gpu: bool) -> dict:
     batch, length = KL_SHAPE[gpu]
     kl_data, flat = bench.ppo_inputs(batch=batch, prompt=16, response=length, device=device)
     return {"step": {"model": "random Llama " + json.dumps(size), "shape": shape, **measure(
-                {n: bench.step_fn(c, model, ids, data["attention_mask"], data) for n, c in configs.items()}, REPEATS)},
+                {n: bench.step_fn(c, model, ids, data["attention_mask"], data) for n, c in configs.items()}, repeats)},
             "kl_term_verl_loss": {"shape": [batch, length], "what": "ppo_loss forward + backward, no model", **measure(
-                {n: bench.loss_fn(c, kl_data, flat) for n, c in configs.items()}, REPEATS)}}
+                {n: bench.loss_fn(c, kl_data, flat) for n, c in configs.items()}, repeats)}}
 
 
-def openrlhf_bench(device: str, gpu: bool) -> dict:
+def openrlhf_bench(device: str, gpu: bool, repeats: int) -> dict:
     import openrlhf_overhead as bench
 
     batch, length = KL_SHAPE[gpu]
@@ -147,9 +147,9 @@ def openrlhf_bench(device: str, gpu: bool) -> dict:
         _, _, kl_tensors, kl_old, kl_base = bench.setup(kl_opts, folder + "/kl")
     kl_native, kl_patched = bench.kl_term_fn(kl_tensors, kl_old, kl_base)
     result = {"step": {"model": f"random Llama, hidden {opts.hidden}, 2 layers", "what": "training_step (SGD lr 0)",
-                       **measure({NATIVE: step, ADAPTER: step}, REPEATS, before=bench.switch)},
+                       **measure({NATIVE: step, ADAPTER: step}, repeats, before=bench.switch)},
               "kl_term_openrlhf": {"shape": [batch, length], **measure({NATIVE: kl_native, ADAPTER: kl_patched},
-                                                                       REPEATS, before=bench.switch)}}
+                                                                       repeats, before=bench.switch)}}
     import kl_adapters
 
     kl_adapters.disable()
@@ -157,11 +157,9 @@ def openrlhf_bench(device: str, gpu: bool) -> dict:
 
 
 BENCHES = {"trl": trl_bench, "verl": verl_bench, "openrlhf": openrlhf_bench}
-REPEATS = 30
 
 
 def main(argv: list[str] | None = None) -> int:
-    global REPEATS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", required=True, choices=sorted(BENCHES))
     parser.add_argument("--out", required=True, type=Path)
@@ -169,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    REPEATS = a.repeats if gpu else 2
+    repeats = a.repeats if gpu else 2
     torch.manual_seed(0)
     result = {"framework": a.framework, "device": torch.cuda.get_device_name(0) if gpu else "cpu (smoke configuration)",
-              "repeats": REPEATS, "kl_term": kl_term_core(device, gpu), **BENCHES[a.framework](device, gpu)}
+              "repeats": repeats, "kl_term": kl_term_core(device, gpu, repeats),
+              **BENCHES[a.framework](device, gpu, repeats)}
     result["goal"] = {"step_time_ratio": 1.005, "peak_memory_ratio": 1.01}
     a.out.mkdir(parents=True, exist_ok=True)
     name = f"gpu_{a.framework}"

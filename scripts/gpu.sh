@@ -45,7 +45,7 @@ prepare() {
     ls "$dir/${stem//-/_}-${spec#*==}-"*.whl >/dev/null 2>&1 && continue
     rm -rf "$built" && mkdir -p "$built"
     # deepspeed's setup.py imports torch: build with the OpenRLHF suite's environment (torch present), no isolation
-    DS_BUILD_OPS=0 DS_BUILD_AIO=0 DS_BUILD_GDS=0 "${DS_BUILD_PYTHON:-$ROOT/.venvs/openrlhf/bin/python}" -m pip wheel -q \
+    DS_BUILD_OPS=0 "${DS_BUILD_PYTHON:-$ROOT/.venvs/openrlhf/bin/python}" -m pip wheel -q \
       --disable-pip-version-check --no-deps --no-build-isolation --no-binary :all: -w "$built" "$spec"
     mv "$built"/*.whl "$dir/" && rm -rf "$built"
   done

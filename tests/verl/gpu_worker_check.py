@@ -110,7 +110,8 @@ def main():
     old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask
     ref = (current + 0.5 * torch.randn(current.shape, generator=gen)) * mask
     adv = torch.randn(mask.shape[0], 1, generator=gen) * mask
-    result = {"dtype": args.dtype, "preset": args.preset, "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    result = {"dtype": args.dtype, "preset": args.preset, "device": device,
               "parameters": sum(p.numel() for p in llama_63m().parameters()),
               "kl_rel_error": gradient_identity(path, old, ref, adv),
               "flag_off_equal": flag_off_equal(path, old, ref, adv),

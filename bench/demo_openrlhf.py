@@ -208,14 +208,15 @@ def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dic
 def check(problem, configs: list[str]):
     """`gradient_check.check`'s inputs: an OpenRLHFLoss per configuration (G = 2; made right before its enumeration,
     the activation being per process), the seed-0 policy, and the KL scale grad = kl_coefficient / N_tok * sum_rows g
-    (module docstring; tests/openrlhf/test_demo_runner.py's identities)."""
+    (module docstring; tests/openrlhf/test_demo_runner.py's identities). Under the adapter flag that identity needs
+    the batch to hold the G = 2 rows its kl_ctl = beta (G-1)/N_tok is set for, so every kl-adapters configuration is
+    enumerated over pairs (a per-sample preset has the same expectation over pairs as over single completions)."""
     import functools
 
-    from kl_adapters.demo.gradient_check import batch_rows
     from kl_adapters.demo.harness import kl_coefficient
 
     coef = kl_coefficient(problem, 2)
-    losses = {c: (functools.partial(OpenRLHFLoss, problem, c, 2), batch_rows(SPECS[c][1])) for c in configs}
+    losses = {c: (functools.partial(OpenRLHFLoss, problem, c, 2), 1 if SPECS[c][1] is None else 2) for c in configs}
     return problem.model(0), losses, lambda batch: coef / float(batch.completion_mask.sum())
 
 

@@ -54,8 +54,7 @@ def check_gradient_rows(rows: list[dict], unbiased: list[str]) -> None:
     assert rows
     for row in rows:
         assert (row["relative_bias"] < 1e-4) == (row["config"] in unbiased), row
-        assert (row["batch_rows"] == 2) == (row["config"].split(" ")[0] in ("kl_adapters:sequence", "kl_adapters:reward",
-                                                                             "sequence", "reward")), row
+        assert row["cosine"] > 0.5 and row["batch_rows"] in (1, 2), row
 
 
 def sampled_group(group: int):

@@ -35,9 +35,10 @@ def test_same_reference_policy_as_the_trl_benchmark():
 
 
 def test_runner_end_to_end(tmp_path):
-    """3 steps, G=8, 1 seed, two configurations through the script's own main (in this process: --workers 0)."""
+    """3 steps, G=8, 1 seed, three configurations (with the gradient check) through the script's own main (in this
+    process: --workers 0)."""
     pytest.importorskip("matplotlib")
-    configs = ["openrlhf-default-k3", "kl_adapters:sequence"]
+    configs = ["openrlhf-default-k3", "kl_adapters:sequence", "kl_adapters:sequence-plain"]
     doc = run_runner(demo_common, demo_openrlhf, configs, tmp_path, G)
     for config in configs:
         (metrics,) = doc["framework_metrics"][config]

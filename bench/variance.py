@@ -348,6 +348,46 @@ def micro_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+#: issue 11 item 6 and issue 16 item 4: (preset, largest T it applies to, ratio bound), on-policy, drift 0.05, G >= 16
+RATIO_TARGETS = (("sequence", 256, 1.5), ("sequence", 4096, 3.0), ("reward", 256, 1.5), ("reward", 4096, 3.0),
+                 ("full", 256, 1.0), ("full", 4096, 2.0))
+
+
+def targets_report(rows: list[dict]) -> str:
+    """Every cell against the targets: ratio bounds (small drift, on-policy, G >= 16), reduced <= plain in every cell,
+    off-policy ratio within 2x of on-policy."""
+    by = {(r["T"], r["G"], r["drift"], r["regime"], r["preset"]): r for r in rows}
+    small = min(r["drift"] for r in rows)
+    out, met, total = [], 0, 0
+
+    def verdict(ok: bool) -> str:
+        nonlocal met, total
+        met, total = met + ok, total + 1
+        return "met " if ok else "MISS"
+
+    out.append(f"1. ratio to token, on-policy, drift {small:g}, G >= 16 (bound applies to T <= 256, or T = 4096)")
+    for preset, horizon, bound in RATIO_TARGETS:
+        for (t, g, d, reg, p), r in sorted(by.items()):
+            in_range = t <= 256 if horizon == 256 else t == horizon
+            if p == preset and d == small and reg == "on" and g >= 16 and in_range:
+                out.append(f"   {verdict(r['ratio'] <= bound)} {p:<9} T={t:<5} G={g:<3} ratio {r['ratio']:.3g} "
+                           f"+- {r['ratio_se']:.2g} (bound {bound:g}; {r['n_batches']} batches)")
+    out.append("2. reduced <= plain in every cell (sequence vs sequence-plain, reward vs reward-plain)")
+    for (t, g, d, reg, p), r in sorted(by.items()):
+        plain = by.get((t, g, d, reg, f"{p}-plain"))
+        if p in ("sequence", "reward") and plain is not None:
+            out.append(f"   {verdict(r['ratio'] <= plain['ratio'])} {p:<9} T={t:<5} G={g:<3} drift={d:<5g} {reg:>3}: "
+                       f"{r['ratio']:.3g} vs plain {plain['ratio']:.3g}")
+    out.append("3. off-policy ratio within 2x of on-policy (same T, G, drift)")
+    for (t, g, d, reg, p), r in sorted(by.items()):
+        on = by.get((t, g, d, "on", p))
+        if reg == "off" and p in ("sequence", "reward", "full") and on is not None:
+            factor = r["ratio"] / on["ratio"]
+            out.append(f"   {verdict(factor <= 2.0)} {p:<9} T={t:<5} G={g:<3} drift={d:<5g}: off {r['ratio']:.3g} / "
+                       f"on {on['ratio']:.3g} = {factor:.3g}")
+    return f"targets met: {met} of {total} cells\n" + "\n".join(out)
+
+
 def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
     import matplotlib
 
@@ -405,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chunk-tokens", type=int, default=2 ** 19, help="tokens processed at once (memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None, help="results go to bench/results/variance_<name>.*")
+    ap.add_argument("--targets", type=Path, default=None,
+                    help="only check the issue's targets on a results JSON; writes <its stem>_targets.txt")
     args = ap.parse_args(argv)
     if args.horizons is None:
         args.horizons = [256, 1024] if args.micro else [16, 64, 256, 1024, 4096]
@@ -423,6 +465,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.targets is not None:
+        report = targets_report(json.loads(args.targets.read_text())["rows"])
+        command = " ".join(shlex.quote(a) for a in [".venvs/core/bin/python", "bench/variance.py", *sys.argv[1:]])
+        out = args.targets.with_name(f"{args.targets.stem}_targets.txt")
+        out.write_text(f"command: {command}\n{report}\n")
+        print(report.split("\n")[0], f"({out})")
+        return 0
     name = args.name or ("micro" if args.micro else "quick" if args.quick else "full")
     if args.micro:
         name = name if name.startswith("micro") else f"micro_{name}"

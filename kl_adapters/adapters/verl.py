@@ -3,11 +3,13 @@
 Supported: the releases in versions.TESTED["verl"] (0.9.0, 0.9.1; others raise `UnsupportedFrameworkError` naming
 the range). Their KL code paths were diffed, not only tested: 0.9.0 -> 0.9.1 changes none of the functions patched here
 nor agg_loss / kl_penalty (only GSPO's policy-loss aggregation and profiling, outside the KL paths). verl 0.8.0 differs
-in three places, each handled below: get_ppo_ray_runtime_env() takes no config (`_Site.params_in`); agg_loss has no
-"token-sum" mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trainer is
-verl.trainer.main_ppo_sync, whose compute_advantage_for_multi_trajectories is wrapped like v1's. 0.8.0 stays off the
-tested list until that module is one of activation.ADAPTERS' triggers (else its GRPO advantages would overwrite the KL
-reward-to-go unpatched).
+in four places: get_ppo_ray_runtime_env() takes no config (handled: `_Site.params_in`); agg_loss has no "token-sum"
+mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trainer is verl.trainer.main_ppo_sync,
+whose compute_advantage_for_multi_trajectories is wrapped like v1's; and verl/__init__ does not load ``verl.plugins``
+entry points yet (0.9.0 added that), so there only KL_ADAPTERS or ``actor_rollout_ref.model.external_lib=
+kl_adapters.adapters.verl_plugin`` bring the adapter into the workers (a ``kl_adapters:`` name alone reaches verl's
+own kl_penalty, which raises NotImplementedError). 0.8.0 stays off the tested list until main_ppo_sync is one of
+activation.ADAPTERS' triggers (else its GRPO advantages would overwrite the KL reward-to-go unpatched).
 
 Flag, verl's idiom (the estimator-name fields verl already has; Hydra accepts the new names as plain strings):
     actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>   actor KL loss (with actor.use_kl_loss=True)

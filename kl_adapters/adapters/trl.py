@@ -23,10 +23,44 @@ fall back to the trainer's old log-probs), else ``old_per_token_logps`` (num_ite
 not dividing gradient_accumulation_steps), else on-policy. Works for every loss_type, both importance_sampling_levels
 and PEFT/LoRA (TRL's reference log-probs, adapter-disabled base, are used as they are).
 
+Batch statistics of the variance-reduced presets ("sequence", "reward"; see kl_adapters.reductions): the
+leave-one-out control-variate coefficient and baseline of each row must come from OTHER samples, the more the better,
+while TRL's loss sees micro-batches of ``per_device_train_batch_size`` rows (default 8). Where TRL already has the
+policy's log-probs of the whole generation batch at rollout time (``old_per_token_logps``: num_iterations > 1 or
+steps_per_generation not dividing gradient_accumulation_steps; vLLM's ``sampling_per_token_logps``), a wrapper around
+``_generate_and_score_completions`` computes ``kl_statistics`` there, leave-one-out within each GRPO group (the
+``num_generations`` completions of one prompt), and stores them as [B] / [B, T] tensors of the batch dict
+(``ROLLOUT_STATISTICS_KEYS``), which TRL's own ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice with
+the rest into micro-batches; the loss uses the micro-batch's rows. Otherwise (TRL's on-policy default, where it skips
+that forward pass) no forward pass is added: the statistics are leave-one-out over the micro-batch's own rows at loss
+time (all groups mixed: after TRL's shuffle a micro-batch rarely holds two rows of one prompt). With TRL's defaults
+(per_device_train_batch_size = num_generations = 8, gradient_accumulation_steps = 1) that micro-batch IS the whole
+generation batch, one group of 8. Either way row b's statistics are functions of the other rows only, so the expected
+gradient is unchanged (tests/core/test_batch_exactness.py; the trainer identity with the stored statistics:
+tests/trl/test_statistics.py).
+
 Metrics: TRL's ``kl`` keeps its meaning (token-mean of k3, times pi/pi_old when use_bias_correction_kl); added beside
-it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t) and ``kl_adapters/grad_weight_gap``
+it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t), ``kl_adapters/grad_weight_gap``
 (sum |c_native - c_preset| / sum |c_preset| over the batch's tokens: how far TRL's own KL gradient would be from the
-preset's on this batch; 0 means no difference).
+preset's on this batch; 0 means no difference) and ``kl_adapters/is_ess`` (effective sample size of the micro-batch's
+full-sequence importance weights, 1 on-policy, towards 1/B as they degenerate; averaged over the logging window).
+
+Releases (versions.TESTED["trl"]: 1.14.0, 1.14.1, 1.14.2, 1.15.0, 1.16.0). The code paths the adapter relies on are
+the same in all of them: ``_compute_loss`` (KL block, loss types and normalisers) is identical line for line,
+``compute_loss``'s signature, the ``inputs`` keys, GRPOConfig's KL fields and defaults (beta 0.0,
+use_bias_correction_kl True, loss_type "dapo") and RLOO's k1-in-reward are unchanged (sdists diffed). What differs:
+  * how TRL computes log-probs: 1.14.x slices full logits (or, with use_liger_kernel, a chunked Liger path,
+    ``_chunked_logps``, reached from compute_loss through ``_forward_redirection``); 1.15.0 adds a fused LM head to the
+    model. The adapter takes the log-probs from ``_get_per_token_logps_and_entropies``'s output (``out[0]`` in every
+    release), so it is indifferent to which; use_liger_kernel is refused in every release (`_check_code_path`).
+  * gradient-accumulation scaling: 1.14.x disables Trainer's scaling with ``compute_loss_func="non-None..."``, 1.15.0
+    with ``loss_is_scaled_for_ga = True``; in both, ``_compute_loss`` divides by the accumulation steps itself, which
+    `per_token_normaliser` reads as ``current_gradient_accumulation_steps`` (unchanged).
+  * 1.15.0 runs its fused LM head through Triton kernels on every device (trl/kernels/chunked_logprob.py imports
+    triton; 1.16.0 falls back to torch without it), so on a CPU-only machine 1.15.0 needs triton installed and
+    TRITON_INTERPRET=1 (how its tests run here: tests/trl/conftest.py); the KL path is the same.
+  * 1.14.0 and 1.14.1 import ``requests`` unconditionally (trl/generation/vllm_client.py) without declaring it: an
+    environment for them needs ``requests`` installed (envs/trl-1.14.0.txt, envs/trl-1.14.1.txt); 1.14.2 fixed it.
 """
 
 from __future__ import annotations
@@ -44,7 +78,9 @@ from trl import GRPOConfig  # not a trigger module: importing it patches nothing
 from .. import activation, native
 from ..activation import Settings
 from .._validate import check_is_clip
-from ..surrogate import KLTerm, kl_term
+from ..presets import get_preset
+from ..reductions import KLStatistics
+from ..surrogate import KLTerm, kl_statistics, kl_term
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,8 +144,9 @@ def _check_code_path(trainer: GRPOTrainer) -> None:
     """Refuse configurations the adapter is not tested with (never patch silently wrong)."""
     if trainer.args.use_liger_kernel and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise UnsupportedFrameworkError(
-            "kl-adapters is not tested with use_liger_kernel=True (Liger needs a GPU; in trl 1.16 it only swaps layer "
-            f"kernels and the loss path is unchanged). Set {ALLOW_UNTESTED_ENV}=1 to proceed anyway.")
+            "kl-adapters is not tested with use_liger_kernel=True (Liger needs a GPU; in trl >= 1.15 it only swaps layer "
+            "kernels, in trl 1.14.x it also switches the log-probs to a chunked Liger path). "
+            f"Set {ALLOW_UNTESTED_ENV}=1 to proceed anyway.")
     if _normaliser_kind(trainer) is None:
         raise UnsupportedFrameworkError(
             f"{type(trainer).__name__} overrides _compute_loss with an aggregation kl-adapters does not know; "
@@ -162,6 +199,79 @@ def behaviour_logps(inputs: dict, logp: torch.Tensor) -> torch.Tensor | None:
     return torch.where(torch.isnan(sampling), fallback, sampling)
 
 
+#: batch-dict keys of the rollout-time statistics (KLStatistics fields), sliced by TRL with the rest of the batch
+ROLLOUT_STATISTICS_KEYS = {"cv_coef": "kl_adapters_cv_coef", "baseline": "kl_adapters_baseline",
+                           "alone": "kl_adapters_alone"}
+
+
+def _uses_statistics(settings: Settings | None) -> bool:
+    return settings is not None and get_preset(settings.preset).uses_batch_statistics
+
+
+def _completion_mask(inputs: dict) -> torch.Tensor:
+    mask = inputs["completion_mask"]
+    return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
+
+
+def rollout_logps(batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-probs, mask) of the sampling policy over a whole generation batch, as TRL has them at rollout time.
+
+    vLLM's sampling log-probs where it scored the token, else TRL's old log-probs (as `behaviour_logps`); tokens
+    vLLM did not score are left out of the mask when TRL computed no old log-probs. None when TRL has neither (its
+    on-policy default skips that forward pass; kl-adapters adds none).
+    """
+    old = batch.get("old_per_token_logps")
+    sampling = batch.get("sampling_per_token_logps")
+    mask = _completion_mask(batch)
+    if sampling is None:
+        return None if old is None else (old, mask)
+    scored = ~torch.isnan(sampling)
+    if old is not None:
+        return torch.where(scored, sampling, old), mask
+    return torch.nan_to_num(sampling), mask * scored
+
+
+def group_ids(trainer: GRPOTrainer, rows: int) -> torch.Tensor:
+    """[rows] prompt ids of this process's generation batch: TRL's RepeatSampler yields each prompt's
+    num_generations completions consecutively, and each process takes a contiguous slice of the global batch."""
+    mode_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+    start = trainer.accelerator.process_index * rows
+    return torch.div(torch.arange(start, start + rows), mode_generations, rounding_mode="floor")
+
+
+def rollout_statistics(trainer: GRPOTrainer, batch: dict) -> KLStatistics | None:
+    """`kl_statistics` of the whole generation batch, leave-one-out within each GRPO group, from the log-probs TRL
+    has at rollout time (`rollout_logps`); None when it has none. Row b's statistics depend on the other rows only."""
+    logps = rollout_logps(batch)
+    if logps is None or batch.get("ref_per_token_logps") is None:
+        return None
+    logp, mask = logps
+    group = group_ids(trainer, logp.shape[0]).to(logp.device)
+    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group)
+
+
+def statistics_of(inputs: dict) -> KLStatistics | None:
+    """The rows' rollout-time statistics stored in a (micro-)batch by `rollout_statistics`, or None."""
+    if ROLLOUT_STATISTICS_KEYS["cv_coef"] not in inputs:
+        return None
+    return KLStatistics(**{field: inputs.get(key) for field, key in ROLLOUT_STATISTICS_KEYS.items()})
+
+
+def _generate_with_statistics(original, self, generation_batch):
+    """GRPOTrainer._generate_and_score_completions, plus the rollout statistics in its output when a reduced preset is
+    active (see module docstring); unchanged output otherwise."""
+    batch = original(self, generation_batch)
+    if self.beta == 0.0 or not _uses_statistics(settings_for(self)):
+        return batch
+    statistics = rollout_statistics(self, batch)
+    if statistics is not None:
+        for field, key in ROLLOUT_STATISTICS_KEYS.items():
+            value = getattr(statistics, field)
+            if value is not None:
+                batch[key] = value
+    return batch
+
+
 def _native_preset(trainer: GRPOTrainer) -> str:
     """The preset whose per-token gradient TRL's own KL term has, at token-level importance sampling
     (`native.trl_grpo_loss`; at sequence level the native gradient has an extra term no preset has)."""
@@ -180,12 +290,14 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> Non
     seq = term.sequence_kl
     totals = reduce(torch.stack([
         (k3 * m).sum(), m.sum(), seq.sum(), torch.tensor(float(seq.numel()), device=seq.device),
-        (c_native - term.coefficients).abs().sum(), term.coefficients.abs().sum(),
+        (c_native - term.coefficients).abs().sum(), term.coefficients.abs().sum(), term.is_ess,
+        torch.ones((), device=seq.device),
     ]).float()).tolist()
     metrics = trainer._metrics[mode]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
     metrics["kl_adapters/seq_kl"].append(totals[2] / max(totals[3], 1.0))
     metrics["kl_adapters/grad_weight_gap"].append(totals[4] / totals[5] if totals[5] > 0 else 0.0)
+    metrics["kl_adapters/is_ess"].append(totals[6] / totals[7])  # mean over processes
 
 
 def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -214,11 +326,13 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
         self.beta = beta
         del self._get_per_token_logps_and_entropies
     logp = captured[0]
-    mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+    mask = _completion_mask(inputs)
     ref = inputs["ref_per_token_logps"]
     behaviour = behaviour_logps(inputs, logp)
     beta_seq = beta * mask.shape[0] / per_token_normaliser(self, inputs, mask)
-    term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip)
+    statistics = statistics_of(inputs) if _uses_statistics(settings) else None  # None: leave-one-out over the rows
+    term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip,
+                   statistics=statistics)
     kl = term.surrogate(beta_seq)
     _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)
@@ -268,6 +382,14 @@ def _unwrap(owner: type, name: str) -> None:
         setattr(owner, name, original)
 
 
+def _kl_generate(original):
+    @functools.wraps(original)
+    def generate_and_score_completions(self, generation_batch):
+        return _generate_with_statistics(original, self, generation_batch)
+
+    return generate_and_score_completions
+
+
 def _kl_compute_loss(original):
     @functools.wraps(original)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -285,6 +407,7 @@ def patch(trigger: str) -> None:
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     _wrap(GRPOTrainer, "compute_loss", _kl_compute_loss)
+    _wrap(GRPOTrainer, "_generate_and_score_completions", _kl_generate)
     rloo = sys.modules.get("trl.trainer.rloo_trainer")
     if rloo is not None and hasattr(rloo, "RLOOTrainer"):
         _wrap(rloo.RLOOTrainer, "__init__", _check_rloo)
@@ -292,7 +415,9 @@ def patch(trigger: str) -> None:
 
 def unpatch() -> None:
     """Restore TRL's original methods."""
-    _unwrap(sys.modules[_GRPO_MODULE].GRPOTrainer, "compute_loss")
+    grpo = sys.modules[_GRPO_MODULE].GRPOTrainer
+    _unwrap(grpo, "compute_loss")
+    _unwrap(grpo, "_generate_and_score_completions")
     rloo = sys.modules.get("trl.trainer.rloo_trainer")
     if rloo is not None:
         _unwrap(rloo.RLOOTrainer, "__init__")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 #: framework (its pip distribution name) -> releases whose adapter tests ran green, oldest first
 TESTED: dict[str, tuple[str, ...]] = {
-    "trl": ("1.16.0",),
+    "trl": ("1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0"),
     "verl": ("0.9.0", "0.9.1"),
     "openrlhf": ("0.11.2",),
 }

@@ -14,6 +14,13 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# trl 1.15.0 computes every log-prob with its Triton kernels (trl/kernels/chunked_logprob.py; 1.14.x and 1.16.0 have a
+# torch path). Without a GPU, Triton's interpreter runs those kernels on the CPU (envs/trl-1.15.0.txt installs triton);
+# set before trl is imported, inert where Triton is not installed.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from datasets import Dataset  # noqa: E402
 
 from kl_adapters.tiny_models import save_tiny_model  # noqa: E402

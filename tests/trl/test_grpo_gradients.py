@@ -68,18 +68,21 @@ def _policy_moved(trainer, fn):
         trainer.model.load_state_dict(state)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["sequence", "reward", "token", "k3-loss"])
 def test_on_policy_gradient_is_task_plus_kl_surrogate(setup, preset):
     trainer, batch, _ = setup
     assert_close(trainer_grad(trainer, batch, preset), expected_grad(trainer, batch, preset))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["sequence", "reward", "token"])
 def test_off_policy_gradient_uses_rollout_logps(setup, preset):
     trainer, _, off = setup
     _policy_moved(trainer, lambda: assert_close(trainer_grad(trainer, off, preset), expected_grad(trainer, off, preset)))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("setup", CONSTANT_NORMALISER, indirect=True)
 @pytest.mark.parametrize("policy", ["on", "off"])
 def test_token_preset_is_native_trl(setup, policy):

@@ -32,6 +32,7 @@ def test_train_with_preset_logs_native_and_new_metrics(model_dir, dataset, prese
     seq_kl = logged(trainer, "kl_adapters/seq_kl")
     assert len(seq_kl) == 3 and all(math.isfinite(v) and v >= 0 for v in seq_kl)
     assert seq_kl[-1] > 0  # the policy moved away from the reference
+    assert logged(trainer, "kl_adapters/is_ess") == [1.0] * 3  # on-policy: every importance weight is 1
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
 
 
@@ -41,6 +42,8 @@ def test_num_iterations_2_trains_off_policy(model_dir, dataset, monkeypatch):
     monkeypatch.setattr(adapter, "behaviour_logps", lambda inputs, logp: seen.append(real(inputs, logp)) or seen[-1])
     trainer = train(model_dir, dataset, num_iterations=2, max_steps=4)
     assert any(b is not None for b in seen)  # later minibatches carry the rollout-time log-probs
+    ess = logged(trainer, "kl_adapters/is_ess")
+    assert len(ess) == 4 and all(0 < v <= 1 for v in ess) and min(ess) < 1  # off-policy batches: weights != 1
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
 
 
@@ -57,6 +60,7 @@ def _history_and_params(trainer):
     return history, [p.detach().clone() for p in trainer.model.parameters()]
 
 
+@pytest.mark.compat
 def test_flag_off_is_bit_identical_to_unpatched_trl(model_dir, dataset):
     """Unpatched TRL with GRPOConfig vs patched TRL with KLGRPOConfig(kl_preset=None): same metrics, same weights."""
     from trl import GRPOConfig

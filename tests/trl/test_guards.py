@@ -1,22 +1,25 @@
 """Version guard, code-path guard and bad configuration: clear errors, never a silent patch or a silent no-op."""
 
 import importlib.metadata
+import re
 
 import pytest
 from conftest import grpo_args, make_trainer, one_batch
 
 import kl_adapters
-from kl_adapters.adapters import _guard
+from kl_adapters.adapters import _guard, versions
 from kl_adapters.adapters import trl as adapter
 
 
 def test_refuses_untested_trl_version(monkeypatch):
+    monkeypatch.delenv(_guard.ALLOW_UNTESTED_ENV, raising=False)  # scripts/compat.sh sets it for the whole suite
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda d: "1.15.2" if d == "trl" else real(d))
-    with pytest.raises(_guard.UnsupportedFrameworkError, match=r"supports trl 1\.16\.0 .*found trl==1\.15\.2"):
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "1.13.0" if d == "trl" else real(d))
+    with pytest.raises(_guard.UnsupportedFrameworkError, match=re.escape(
+            f"supports {versions.supported_range('trl')} (the releases its tests run against); found trl==1.13.0")):
         adapter.patch("trl.trainer.grpo_trainer")
     monkeypatch.setenv(_guard.ALLOW_UNTESTED_ENV, "1")
-    with pytest.warns(RuntimeWarning, match="trl==1.15.2"):
+    with pytest.warns(RuntimeWarning, match="trl==1.13.0"):
         adapter.patch("trl.trainer.grpo_trainer")
 
 
@@ -31,7 +34,8 @@ def test_bad_config_raises(overrides, message):
         grpo_args(**overrides)
 
 
-def test_liger_kernel_is_refused(model_dir, dataset):
+def test_liger_kernel_is_refused(model_dir, dataset, monkeypatch):
+    monkeypatch.delenv(_guard.ALLOW_UNTESTED_ENV, raising=False)
     trainer = make_trainer(model_dir, dataset)
     batch = one_batch(trainer)
     trainer.args.use_liger_kernel = True

@@ -3,7 +3,7 @@
 The patch must apply cleanly; the patched trl then runs in subprocesses with its tree first on sys.path
 (upstream_patch_probe.py), beside the unpatched release:
     flag off (TRL's defaults)   GRPOTrainer.compute_loss: loss and parameter gradient bit-identical to the release;
-    kl_level="sequence"         its gradient = task gradient (beta = 0) + grad kl_surrogate(preset="sequence",
+    kl_level="sequence"         its gradient = task gradient (beta = 0) + grad kl_surrogate(preset="sequence-plain",
                                 beta * B / D, old_logp) with D TRL's normaliser (loss_type dapo, ragged completions),
                                 on- and off-policy;
     sequence_kl_per_token       = kl_surrogate on random ragged batches; exact expected gradient over every sequence of

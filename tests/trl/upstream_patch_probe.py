@@ -7,7 +7,8 @@ Both trees: on a real prepared GRPO batch (TRL's default loss_type dapo; complet
 on-policy, and the same batch after the policy moved (off-policy, old_per_token_logps from before the move), the
 loss and parameter gradient of GRPOTrainer.compute_loss with TRL's defaults and beta = 2: "flag_off".
 Patched tree only: the same with kl_level="sequence", the task gradient (beta = 0) and the gradient of
-kl_surrogate(preset="sequence", beta = beta * B / D, old_logp = old_per_token_logps) with D TRL's normaliser ->
+kl_surrogate(preset="sequence-plain", beta = beta * B / D, old_logp = old_per_token_logps) with D TRL's normaliser
+(the patch is the unreduced estimator; kl-adapters' "sequence" adds batch statistics the patch does not have) ->
 "kl_error" = |g_flag - g_task - g_kl| / |g_kl| ("kl_share" = |g_kl| / |g_flag|); and
 trl.trainer.utils.sequence_kl_per_token against kl_adapters on random ragged batches ("random_error") and on exact
 tabular policies ("exact_error", vs grad KL_seq).
@@ -74,7 +75,8 @@ def trainer_measurements(model_dir: str, patched: bool) -> dict:
         trainer.beta, trainer.args.kl_level = BETA, "token"
         beta_seq = BETA * mask.shape[0] / dapo_normaliser(trainer, batch)
         kl = grad_of(trainer, kl_surrogate(policy_logps(trainer, batch), batch["ref_per_token_logps"], mask,
-                                           preset="sequence", beta=beta_seq, old_logp=batch.get("old_per_token_logps")))
+                                           preset="sequence-plain", beta=beta_seq,
+                                           old_logp=batch.get("old_per_token_logps")))
         out["kl_error"][regime] = float((flagged - task - kl).norm() / kl.norm())
         out["kl_share"][regime] = float(kl.norm() / flagged.norm())
     return out

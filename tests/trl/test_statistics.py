@@ -1,0 +1,122 @@
+"""Rollout-time statistics of the variance-reduced presets in GRPOTrainer (issue 11, item 2).
+
+Pinned here, on real TRL batches:
+1. where TRL has the policy's log-probs of the whole generation batch at rollout time (num_iterations = 2: old log-probs),
+   the batch carries kl_statistics(old, ref, mask, group = prompt ids) of the WHOLE generation batch, and TRL's own
+   shuffle + split into micro-batches keeps each row's statistics with the row;
+2. the trainer's gradient on such a micro-batch is the task gradient plus the gradient of
+   kl_surrogate(..., statistics = those rows' statistics) -- not of the micro-batch's own leave-one-out statistics;
+3. without rollout log-probs (TRL's on-policy default) the batch carries none and the loss uses the micro-batch's rows;
+4. flag off: the generation batch is TRL's, key for key.
+"""
+
+import pytest
+import torch
+from conftest import flat_grad, make_trainer, perturb, policy_logps
+from test_grpo_gradients import assert_close, trainer_grad
+
+from kl_adapters import kl_statistics, kl_surrogate
+from kl_adapters.adapters import trl as adapter
+
+KEYS = tuple(adapter.ROLLOUT_STATISTICS_KEYS.values())
+
+
+def generation_and_micro_batches(trainer):
+    """(the whole generation batch as _generate_and_score_completions returned it, TRL's buffered micro-batches)."""
+    seen = []
+    real = type(trainer)._generate_and_score_completions
+
+    def spy(batch):
+        seen.append(real(trainer, batch))
+        return seen[-1]
+
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    trainer._generate_and_score_completions = spy
+    try:
+        torch.manual_seed(0)
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    finally:
+        del trainer._generate_and_score_completions
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in seen[0].items()}, trainer._buffered_inputs
+
+
+@pytest.fixture(scope="module")
+def off_policy(model_dir, dataset):
+    """num_iterations=2, gradient accumulation 2: TRL computes old log-probs of the 16-row generation batch (4 prompts
+    x 4 generations) and trains on shuffled micro-batches of 8 rows."""
+    trainer = make_trainer(model_dir, dataset, num_iterations=2, gradient_accumulation_steps=2,
+                           per_device_train_batch_size=8)
+    perturb(trainer.model, seed=11)
+    whole, micro = generation_and_micro_batches(trainer)
+    return trainer, whole, micro
+
+
+@pytest.mark.compat
+def test_statistics_are_leave_one_out_over_the_whole_generation_batch(off_policy):
+    trainer, whole, micro = off_policy
+    assert whole["old_per_token_logps"] is not None and len(micro) == 2
+    expected = kl_statistics(whole["old_per_token_logps"], whole["ref_per_token_logps"], whole["completion_mask"],
+                             group=torch.arange(16) // 4)
+    for field, key in adapter.ROLLOUT_STATISTICS_KEYS.items():
+        assert torch.equal(whole[key], getattr(expected, field))
+    assert float(whole[KEYS[1]].abs().max()) > 0  # a real baseline from the other rows
+
+
+@pytest.mark.compat
+def test_statistics_survive_trl_shuffle_and_split(off_policy):
+    _, whole, micro = off_policy
+    rows = torch.cat([whole["prompt_ids"], whole["completion_ids"]], 1)
+    for batch in micro:
+        assert batch[KEYS[0]].shape[0] == 8
+        own = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        for i in range(own.shape[0]):
+            (j,) = [j for j in range(rows.shape[0]) if torch.equal(rows[j], own[i])
+                    and torch.equal(whole["advantages"][j], batch["advantages"][i])][:1]
+            for key in KEYS:
+                assert torch.equal(batch[key][i], whole[key][j])
+    shuffled = torch.cat([b["completion_ids"] for b in micro])
+    assert not torch.equal(shuffled, whole["completion_ids"])  # TRL did permute the rows
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("preset", ["sequence", "reward"])
+def test_gradient_uses_the_rows_rollout_statistics(off_policy, preset):
+    """grad = task + grad kl_surrogate(..., statistics = the micro-batch rows' stored statistics), and that differs
+    from the micro-batch's own leave-one-out statistics (so the stored ones are what the loss used)."""
+    trainer, _, micro = off_policy
+    batch = micro[0]
+    mask = batch["completion_mask"]
+    beta_seq = 0.1 * mask.shape[0] / adapter.per_token_normaliser(trainer, batch, mask)
+    old = adapter.behaviour_logps(batch, batch["ref_per_token_logps"])
+
+    def kl_grad(**stats):
+        return flat_grad(trainer, lambda: kl_surrogate(policy_logps(trainer, batch), batch["ref_per_token_logps"],
+                                                       mask, preset=preset, beta=beta_seq, old_logp=old, **stats))
+
+    got = trainer_grad(trainer, batch, preset)
+    task = trainer_grad(trainer, batch, "off", beta=0.0)
+    assert_close(got, task + kl_grad(statistics=adapter.statistics_of(batch)))
+    assert float((got - task - kl_grad()).abs().max()) > 1e-3 * float(got.abs().max())
+
+
+def test_on_policy_default_stores_nothing_and_uses_the_micro_batch(model_dir, dataset):
+    trainer = make_trainer(model_dir, dataset)
+    perturb(trainer.model, seed=12)
+    whole, micro = generation_and_micro_batches(trainer)
+    assert "old_per_token_logps" not in whole and not any(k in whole for k in KEYS)
+    batch = micro[0]
+    assert adapter.statistics_of(batch) is None  # the loss computes leave-one-out over the micro-batch's rows
+
+
+@pytest.mark.compat
+def test_flag_off_generation_batch_is_trls(model_dir, dataset):
+    """kl_preset off: the wrapped _generate_and_score_completions returns TRL's batch, bit for bit."""
+    outputs = []
+    for patched in (False, True):
+        adapter.unpatch() if not patched else adapter.patch("trl.trainer.grpo_trainer")
+        trainer = make_trainer(model_dir, dataset, kl_preset=None, num_iterations=2)
+        outputs.append(generation_and_micro_batches(trainer)[0])
+    assert outputs[0].keys() == outputs[1].keys()
+    for key, value in outputs[0].items():
+        assert torch.equal(value, outputs[1][key]) if torch.is_tensor(value) else value == outputs[1][key]

@@ -255,6 +255,10 @@ class AuditRow:
     target: str | None  # documented exact expectation
     target_error: float | None  # |E g - target| / |target|
     value_bias: float  # |E[value] - KL_seq| / KL_seq
+    #: presets with batch statistics only: G -> G * tr Cov of the batch gradient over every batch of G sequences
+    batch_variance: dict[int, float] | None = None
+    #: G -> |E g - grad KL_seq| / |grad KL_seq| over every batch of G sequences
+    batch_bias: dict[int, float] | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -269,11 +273,14 @@ def audit(
     drift: float = 1.0,
     off_policy: float = 0.5,
     is_clip: float | None = 2.0,
+    batch_sizes: tuple[int, ...] = (),
 ) -> list[AuditRow]:
     """Audit every preset on- and off-policy on one random tabular problem (beta = 1).
 
     Adds one row for "sequence" with its importance weights capped at `is_clip` (off-policy) to measure that option's
-    bias; pass is_clip=None to skip it.
+    bias; pass is_clip=None to skip it. A preset with batch statistics is a batch estimator (its one-sample row is its
+    single-sample form): for each G in batch_sizes its bias and G * tr Cov over every ordered batch of G sequences
+    (`batch_moments`) go in batch_bias / batch_variance (for an i.i.d. preset G * tr Cov = var at every G).
     """
     pol = random_policies(vocab, horizon, seed, drift=drift, off_policy=off_policy)
     kl = float(kl_seq(pol.space, pol.logits, pol.ref_logits))
@@ -298,8 +305,19 @@ def audit(
             variance=mom.variance, target=target,
             target_error=None if target is None else relative_error(mom.mean, tg[target]),
             value_bias=abs(mom.value_mean - kl) / kl,
+            **_batch_columns(pol, spec, regime, tg["kl_seq"], batch_sizes if clip is None else ()),
         ))
     return rows
+
+
+def _batch_columns(pol: Policies, spec: Preset, regime: str, exact: Tensor, sizes: tuple[int, ...]) -> dict:
+    if not (spec.uses_batch_statistics and sizes):
+        return {}
+    behaviour = None if regime == "on-policy" else pol.behaviour_logits
+    moments = {g: batch_moments(pol.space, pol.logits, pol.ref_logits, spec, g, behaviour_logits=behaviour)
+               for g in sizes}
+    return {"batch_variance": {g: g * var for g, (_, var) in moments.items()},
+            "batch_bias": {g: relative_error(mean, exact) for g, (mean, _) in moments.items()}}
 
 
 def format_table(rows: list[AuditRow], *, vocab: int, horizon: int, seed: int) -> str:
@@ -330,5 +348,29 @@ def format_table(rows: list[AuditRow], *, vocab: int, horizon: int, seed: int) -
         if " " in label:
             flag = "biased"
         lines.append(f"{label:<24}{flag:>10} | {cells(regimes.get('on-policy'))} | {cells(regimes.get('off-policy'))}")
-    return "\n".join(lines)
+    return "\n".join(lines + _batch_table(rows))
+
+
+def _batch_table(rows: list[AuditRow]) -> list[str]:
+    """Second table: the batch estimators at each batch size G, beside the i.i.d. presets' var (same at every G)."""
+    batch = [r for r in rows if r.batch_variance]
+    if not batch:
+        return []
+    sizes = sorted(batch[0].batch_variance)
+    token = {r.regime: r.variance for r in rows if r.preset == "token" and r.is_clip is None}
+    head = "".join(f"{f'var@{g}':>9}" for g in sizes) + "".join(f"{f'bias@{g}':>9}" for g in sizes)
+    lines = ["", "batch estimators (statistics leave-one-out over the batch's other sequences), exact over every ordered "
+             "batch of G sequences: var@G = G x trace Cov of the batch gradient (an i.i.d. preset's var at every G), "
+             "bias@G as above; ratio = var@G / var(token)",
+             f"{'preset':<24}{'regime':>11} | {head} | ratio to token at G = {', '.join(map(str, sizes))}"]
+    for r in batch:
+        var = "".join(f"{r.batch_variance[g]:>9.3g}" for g in sizes)
+        bias = "".join(f"{r.batch_bias[g]:>9.1e}" for g in sizes)
+        ratio = ", ".join(f"{r.batch_variance[g] / token[r.regime]:.2f}" for g in sizes) if r.regime in token else "-"
+        lines.append(f"{r.preset:<24}{r.regime:>11} | {var}{bias} | {ratio}")
+    for r in rows:
+        if r.preset in ("sequence-plain", "reward-plain", "token") and r.is_clip is None:
+            lines.append(f"{r.preset:<24}{r.regime:>11} | {f'{r.variance:.3g} at every G':<{9 * len(sizes)}}"
+                         f"{'':>{9 * len(sizes)}} | {r.variance / token[r.regime]:.2f}" if r.regime in token else "")
+    return lines
 

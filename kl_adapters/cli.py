@@ -10,8 +10,9 @@ import sys
 def _audit(args: argparse.Namespace) -> int:
     from .audit import audit, format_table, kl_seq, random_policies
 
+    sizes = tuple(int(g) for g in args.batch_sizes.split(",") if g.strip())
     rows = audit(args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy,
-                 is_clip=None if args.is_clip <= 0 else args.is_clip)
+                 is_clip=None if args.is_clip <= 0 else args.is_clip, batch_sizes=sizes)
     if args.json:
         pol = random_policies(args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy)
         doc = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--drift", type=float, default=1.0, help="std of pi's logits around pi_ref's (default 1.0)")
     a.add_argument("--off-policy", type=float, default=0.5, help="std of mu's logits around pi's (default 0.5)")
     a.add_argument("--is-clip", type=float, default=2.0, help="cap for the extra clipped 'sequence' row; 0 = no row")
+    a.add_argument("--batch-sizes", default="", metavar="G,G,...",
+                   help="also audit the batch estimators (sequence, reward) over every batch of G sequences, e.g. "
+                        "1,2,3 (N^G batches: G = 3 at the default V, T takes minutes)")
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=_audit)
     d = sub.add_parser("demo", help="train a tiny transformer with TRL under each KL configuration; exact evaluation")

@@ -37,6 +37,8 @@ from .estimators import reverse_cumsum
 
 #: control-variate coefficient of a row with no other sequence, at positions with no earlier token of its own.
 SINGLE_SAMPLE_CV_COEF = 0.0
+#: prior weight, in tokens, of a = 0 (the plain k1 return) against the fitted coefficient: a = n / (n + this) * fit
+CV_PRIOR_TOKENS = 4.0
 
 
 @dataclass(frozen=True)
@@ -88,19 +90,20 @@ def _others_sum(x: Tensor, dense: Tensor) -> Tensor:
     return totals[dense] - x
 
 
-def _regression(num: Tensor, den: Tensor) -> Tensor:
+def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
     """clamp(num / den, 0, 1) for num = -sum k1 (r - 1), den = sum (r - 1)^2; SINGLE_SAMPLE_CV_COEF where den = 0.
 
     -k1 (r - 1) >= 0 always (k1 and r - 1 have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
     (r - 1 = -k1 + O(k1^2)). An overflowed r (inf / inf) gives a = 0, the plain k1 return.
     """
-    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0)
+    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0) * tokens / (tokens + CV_PRIOR_TOKENS)
     return torch.where(den > 0, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
 
 
 def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, dense: Tensor) -> Tensor:
     """a_b = clamp(-sum_{others} k1 (r - 1) / sum_{others} (r - 1)^2, 0, 1) over the other rows of b's group."""
-    return _regression(_others_sum(-(k1 * cv * mask).sum(-1), dense), _others_sum((cv.square() * mask).sum(-1), dense))
+    return _regression(_others_sum(-(k1 * cv * mask).sum(-1), dense), _others_sum((cv.square() * mask).sum(-1), dense),
+                       _others_sum(mask.sum(-1), dense))
 
 
 def causal_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
@@ -108,7 +111,7 @@ def causal_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
     tokens: a function of y_<s, so E[g_t w_{1:s} a_{b,s} (r_s - 1)] = 0 for t < s still holds (module docstring, 1.)."""
     num = (-(k1 * cv * mask)).cumsum(-1) + k1 * cv * mask
     den = (cv.square() * mask).cumsum(-1) - cv.square() * mask
-    return _regression(num, den)
+    return _regression(num, den, mask.cumsum(-1) - mask)
 
 
 def conditional_returns(k1: Tensor, cv: Tensor, log_rho: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,13 +1,14 @@
 """Read the arguments a launch script passes to a Python module, without running the script.
 
 Handles what launch scripts of verl and OpenRLHF use: line continuations, comments, ``NAME=value`` / ``export NAME=..``
-assignments (also ``NAME=${NAME:-default}``), bash arrays ``NAME=( ... )`` expanded by ``"${NAME[@]}"``, and
-``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``${NAME:=default}`` in arguments, and ``case WORD in pattern) ...
-;; esac`` (only the matching branch's lines apply). What cannot be resolved without
-running the script (an unset variable, ``$(...)``, ``$1``, arithmetic) becomes the word `marker` (UNRESOLVED_...) and
-listed in `Command.unresolved`; ``$@`` / ``$*`` (the script's own arguments) are dropped and listed. Control flow is
-not otherwise followed (if / for / functions): every assignment is applied in file order, the last one before the
-command wins.
+assignments (also ``NAME=${NAME:-default}``, and ``VAR=value python ...`` prefixes), bash arrays ``NAME=( ... )``
+expanded by ``"${NAME[@]}"``, ``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``${NAME:=default}`` in arguments (an
+unquoted variable holding several words splits into several arguments), integer arithmetic ``$((...))``, ``case WORD
+in pattern) ... ;; esac`` (only the first matching branch applies), and pipes / redirections after the command (not
+arguments). What cannot be resolved without running the script (an unset variable, ``$(...)``, ``$1``) becomes the
+word `marker` (UNRESOLVED_...) and is listed in `Command.unresolved`; ``$@`` / ``$*`` (the script's own arguments)
+are dropped and listed. Control flow is not otherwise followed (if / for / functions): every assignment is applied in
+file order, the last one before the command wins.
 Pinned by tests/core/test_doctor.py::test_shell_*.
 """
 
@@ -30,6 +31,8 @@ UNRESOLVED = "UNRESOLVED_"
 def marker(reference: str) -> str:
     """The word standing for an unresolved reference, e.g. UNRESOLVED_HOME for $HOME."""
     return UNRESOLVED + (re.sub(r"\W+", "_", reference).strip("_") or "value")
+
+
 _ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
 _LABEL = re.compile(r"^\s*([^\s()]+)\)\s*")  # a case branch label: "pattern)" or "a|b)"
 _ARRAY_START = re.compile(r"^\s*(?:[^\s()]+\)\s*)?(?:export\s+|declare\s+-a\s+)?([A-Za-z_]\w*)=\((.*)$", re.S)

@@ -8,6 +8,7 @@ Pinned here, on real TRL batches:
    kl_surrogate(..., statistics = those rows' statistics) -- not of the micro-batch's own leave-one-out statistics;
 3. without rollout log-probs (TRL's on-policy default) the batch carries none and the loss uses the micro-batch's rows;
 4. flag off: the generation batch is TRL's, key for key.
+Units: which rollout log-probs are used (old, vLLM's, NaN handling) and the GRPO group ids of a process's slice.
 """
 
 import pytest
@@ -120,3 +121,29 @@ def test_flag_off_generation_batch_is_trls(model_dir, dataset):
     assert outputs[0].keys() == outputs[1].keys()
     for key, value in outputs[0].items():
         assert torch.equal(value, outputs[1][key]) if torch.is_tensor(value) else value == outputs[1][key]
+
+
+def test_rollout_logps_sources():
+    """Old log-probs; vLLM's where it scored the token (NaN -> old); vLLM's alone with unscored tokens masked out."""
+    mask = torch.ones(2, 3)
+    old, sampling = torch.full((2, 3), -1.0), torch.full((2, 3), -2.0)
+    sampling[0, 1] = float("nan")
+    assert adapter.rollout_logps({"completion_mask": mask}) is None
+    logp, m = adapter.rollout_logps({"completion_mask": mask, "old_per_token_logps": old})
+    assert torch.equal(logp, old) and torch.equal(m, mask)
+    logp, m = adapter.rollout_logps({"completion_mask": mask, "old_per_token_logps": old,
+                                     "sampling_per_token_logps": sampling})
+    assert logp[0, 1] == -1.0 and logp[1, 1] == -2.0 and torch.equal(m, mask)
+    logp, m = adapter.rollout_logps({"completion_mask": mask, "sampling_per_token_logps": sampling})
+    assert m[0, 1] == 0 and m.sum() == 5 and torch.isfinite(logp).all()
+
+
+def test_group_ids_follow_the_process_slice():
+    """Process 1 of a 2-process run holds global rows 6..11; with num_generations 4 they are prompts 1, 1, 2, 2, 2, 2."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(num_generations=4, num_generations_eval=2, model=SimpleNamespace(training=True),
+                              accelerator=SimpleNamespace(process_index=1))
+    assert adapter.group_ids(trainer, 6).tolist() == [1, 1, 2, 2, 2, 2]
+    trainer.model.training = False
+    assert adapter.group_ids(trainer, 6).tolist() == [3, 3, 4, 4, 5, 5]

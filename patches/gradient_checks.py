@@ -3,7 +3,7 @@
 `errors(per_sequence)` takes the patched function as `per_sequence(logp, ref_logp, old_logp, mask) -> [B]`, the
 per-sequence KL term whose batch mean is the loss, and measures, in float64:
     random_error  on ragged random batches: relative distance of its value and gradient to kl_adapters.kl_surrogate
-                  (preset "sequence", the same old_logp)
+                  (preset "sequence-plain": the estimator the patches implement, without the variance reductions; the same old_logp)
     exact_error   on every sequence of two tabular policies (kl_adapters.audit), on- and off-policy: relative distance
                   of its exact expected gradient sum_y q(y) grad per_sequence(y) to grad KL_seq
 """
@@ -29,7 +29,7 @@ def errors(per_sequence: PerSequence) -> dict:
         ref = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
         old = logp.detach() + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64)
         ours = per_sequence(logp, ref, old, mask).mean()
-        theirs = kl_surrogate(logp, ref, mask, preset="sequence", old_logp=old)
+        theirs = kl_surrogate(logp, ref, mask, preset="sequence-plain", old_logp=old)
         g_ours, g_theirs = (torch.autograd.grad(x, logp)[0] for x in (ours, theirs))
         random_error[seed] = max(float((g_ours - g_theirs).norm() / g_theirs.norm()),
                                  float((ours - theirs).abs().detach() / theirs.detach()))

@@ -39,16 +39,20 @@ build() {
   local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
   local con=(); [ -f "$pins" ] && con=(-c "$pins")
   "${pip[@]}" "$TORCH_SPEC"
-  local fw="${DIST[$name]:-}==${version}"
+  # a release's own pins file is a full freeze of a green run: install it as is (it may add what that release needs
+  # but does not declare, e.g. requests for trl 1.14.0), then the framework's requirements below, constrained by it
+  [ -n "$version" ] && [ -f "$ROOT/envs/$name-$version.txt" ] && "${pip[@]}" --no-deps -r "$pins"
+  local fw=""
+  [ -n "$version" ] && fw="${DIST[$name]:-}==$version"
   case "$name" in
     core) "${pip[@]}" "${con[@]}" pytest hypothesis numpy matplotlib ;;
-    trl) "${pip[@]}" "${con[@]}" "${version:+$fw}${version:-trl==1.16.0}" peft pytest hypothesis numpy matplotlib ;;
-    verl) "${pip[@]}" "${con[@]}" "${version:+$fw}${version:-verl==0.9.1}" pytest numpy uvicorn fastapi cachetools \
-            transferqueue matplotlib ;;
+    trl) "${pip[@]}" "${con[@]}" "${fw:-trl==1.16.0}" peft pytest hypothesis numpy matplotlib ;;
+    verl) "${pip[@]}" "${con[@]}" "${fw:-verl==0.9.1}" pytest numpy uvicorn fastapi cachetools transferqueue \
+            matplotlib ;;
     openrlhf)
       # openrlhf hard-depends on flash-attn + vllm (CUDA only): install it without deps, then what its KL path imports.
       # flash_attn / vllm are replaced by test-only import stubs (tests/openrlhf/cpu_stubs).
-      "${pip[@]}" --no-deps "${version:+$fw}${version:-openrlhf==0.11.2}"
+      "${pip[@]}" --no-deps "${fw:-openrlhf==0.11.2}"
       "${pip[@]}" "${con[@]}" "transformers==5.15.0" "ray[default]==2.55.0" peft torchdata einops pillow pylatexenc \
         sympy aiohttp packaging tqdm numpy datasets pytest matplotlib
       "${pip[@]}" "${con[@]}" "deepspeed==0.19.6" ;;

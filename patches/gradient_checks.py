@@ -3,7 +3,8 @@
 `errors(per_sequence)` takes the patched function as `per_sequence(logp, ref_logp, old_logp, mask) -> [B]`, the
 per-sequence KL term whose batch mean is the loss, and measures, in float64:
     random_error  on ragged random batches: relative distance of its value and gradient to kl_adapters.kl_surrogate
-                  (preset "sequence-plain": the estimator the patches implement, without the variance reductions; the same old_logp)
+                  (preset "sequence-plain": the estimator the patches implement, without the variance
+                  reductions; the same old_logp)
     exact_error   on every sequence of two tabular policies (kl_adapters.audit), on- and off-policy: relative distance
                   of its exact expected gradient sum_y q(y) grad per_sequence(y) to grad KL_seq
 """

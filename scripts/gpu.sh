@@ -4,7 +4,8 @@
 #   scripts/gpu.sh prepare [trl|verl|openrlhf]...   here, with network: .gpu-wheels/<fw>/ (git-ignored), one
 #                                                   wheelhouse per framework (default: all three), each <= 60 MiB
 #   scripts/gpu.sh run <trl|verl|openrlhf> [outdir] on the GPU machine: install .gpu-wheels/<fw> with --no-index on top
-#                                                   of the image's torch, run `pytest -m gpu tests/<fw>` and
+#                                                   of the image's torch, run `pytest -m gpu` on tests/<fw>'s files
+#                                                   that hold `gpu` tests and
 #                                                   bench/gpu_bench.py; logs + JSON to outdir (default $OUT)
 #
 # A wheelhouse holds exactly the pins of envs/gpu-<fw>.txt (each one a pin of the CPU suite, envs/<fw>.txt; the
@@ -20,7 +21,7 @@ MAX_MIB=60
 SDIST_ONLY=(deepspeed antlr4-python3-runtime)  # no wheel on the index: built here (pure Python)
 PY=${PYTHON:-python3}
 
-usage() { sed -n '3,8p' "$0" >&2; exit 2; }
+usage() { sed -n '3,9p' "$0" >&2; exit 2; }
 known() { [[ " ${FRAMEWORKS[*]} " == *" $1 "* ]] || { echo "unknown framework: $1 (trl|verl|openrlhf)" >&2; exit 2; }; }
 pins() { grep -v '^#' "$ROOT/envs/gpu-$1.txt" | grep -v '^[[:space:]]*$'; }
 
@@ -79,8 +80,11 @@ run() {
   "$PY" -P tests/device_image/environment_report.py "$fw" > "$out/$fw-environment.json"
   cat "$out/$fw-environment.json"
   local status=0
-  # -P: the checkout stays off sys.path, so the tests import the installed kl-adapters wheel (as bin/pytest does)
-  "$PY" -P -m pytest "tests/$fw" -m gpu -p no:cacheprovider -rA --junitxml="$out/$fw-junit.xml" 2>&1 \
+  # the suite's files that hold `gpu` tests (other test modules may import what is not carried); -P: the checkout
+  # stays off sys.path, so the tests import the installed kl-adapters wheel (as bin/pytest does)
+  local files
+  mapfile -t files < <(grep -l "mark\.gpu" "tests/$fw"/test_*.py)
+  "$PY" -P -m pytest "${files[@]}" -m gpu -p no:cacheprovider -rA --junitxml="$out/$fw-junit.xml" 2>&1 \
     | tee "$out/$fw-pytest.log" || status=1
   "$PY" -P bench/gpu_bench.py --framework "$fw" --out "$out" 2>&1 | tee "$out/$fw-bench.log" || status=1
   return $status

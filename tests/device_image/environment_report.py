@@ -21,7 +21,8 @@ from packaging.utils import canonicalize_name
 #: what each suite's GPU tests import
 MODULES = {
     "trl": ["trl", "trl.trainer.grpo_trainer", "peft", "datasets"],
-    "verl": ["verl", "verl.workers.engine_workers", "verl.workers.utils.losses", "tensordict"],
+    "verl": ["verl", "verl.workers.engine_workers", "verl.workers.utils.losses", "verl.trainer.ppo.ray_trainer",
+             "verl.trainer.ppo.v1", "tensordict"],
     "openrlhf": ["openrlhf", "openrlhf.trainer.ray.ppo_actor", "openrlhf.utils.deepspeed", "deepspeed"],
 }
 

@@ -77,9 +77,8 @@ run() {
     TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   unset KL_ADAPTERS
   cd "$ROOT"
-  "$PY" -P tests/device_image/environment_report.py "$fw" > "$out/$fw-environment.json"
-  cat "$out/$fw-environment.json"
   local status=0
+  "$PY" -P tests/device_image/environment_report.py "$fw" "$out/$fw-environment.json" || status=1
   # the suite's files that hold `gpu` tests (other test modules may import what is not carried); -P: the checkout
   # stays off sys.path, so the tests import the installed kl-adapters wheel (as bin/pytest does)
   local files

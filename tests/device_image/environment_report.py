@@ -1,4 +1,5 @@
-"""The environment a GPU suite runs in, as JSON on stdout (scripts/gpu.sh run writes it to <out>/<fw>-environment.json).
+"""The environment a GPU suite runs in, as JSON: `environment_report.py <fw> <file>` (scripts/gpu.sh run writes
+<out>/<fw>-environment.json); also printed.
 
 Run with `python -P` (the checkout off sys.path). Imports the framework's modules that its GPU tests drive and
 kl-adapters; exits non-zero if one fails to import, if kl-adapters is not the installed wheel, or if a carried
@@ -44,7 +45,7 @@ def requirement_problems(dist: metadata.Distribution) -> tuple[list[str], list[s
     return conflicts, absent
 
 
-def main(framework: str) -> int:
+def main(framework: str, path: Path) -> int:
     import torch
 
     failures = []
@@ -80,7 +81,8 @@ def main(framework: str) -> int:
         "ray": getattr(sys.modules.get("ray"), "__version__", None),
         "failures": failures,
     }
-    print(json.dumps(report, indent=1))
+    path.write_text(json.dumps(report, indent=1) + "\n")  # a file: frameworks log to stdout while importing
+    print(path.read_text())
     return 1 if failures else 0
 
 
@@ -93,6 +95,6 @@ def _installed(name: str) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in MODULES:
-        sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(MODULES)}}}")
-    sys.exit(main(sys.argv[1]))
+    if len(sys.argv) != 3 or sys.argv[1] not in MODULES:
+        sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(MODULES)}}} <file>")
+    sys.exit(main(sys.argv[1], Path(sys.argv[2])))

@@ -162,12 +162,23 @@ def uses_group(name: str) -> bool:
     return name == "full" or PRESETS[name].uses_batch_statistics
 
 
+#: rows per call of a grouped preset (leave-one-out statistics cost O(rows^2) per call); a multiple of every group size
+ROWS_PER_CALL = 1024
+
+
 def preset_weights(name: str, s: Samples, model: Bigram, group: Tensor | None,
                    statistics: str = "batch") -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
     """(score weights c [n, T], pathwise part or None) of one preset, leave-one-out within `group` where it applies.
 
     statistics="batch": computed within `group` by the loss; "rollout": precomputed over the same groups with
-    kl_statistics and passed as statistics= (the code path adapters use with micro-batches)."""
+    kl_statistics and passed as statistics= (the code path adapters use with micro-batches). Grouped rows go in
+    blocks of ROWS_PER_CALL consecutive rows (groups are consecutive and never straddle a block)."""
+    rows = s.states.shape[0]
+    if group is not None and rows > ROWS_PER_CALL:
+        parts = [preset_weights(name, s.rows(slice(i, i + ROWS_PER_CALL)), model, group[i:i + ROWS_PER_CALL],
+                                statistics) for i in range(0, rows, ROWS_PER_CALL)]
+        path = None if parts[0][1] is None else (torch.cat([p[1][0] for p in parts]), parts[0][1][1])
+        return torch.cat([p[0] for p in parts]), path
     if name == "full":
         kl = state_kl(model.logits, model.ref_logits)
         mf = s.mask.to(DTYPE)
@@ -455,6 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tokens, args.min_batches = 2 ** 20, 32
         if args.micro:
             args.horizons, args.rollouts, args.micro_sizes = [256], [16], [1, 4]
+    sizes = [*args.groups, *args.rollouts, *args.micro_sizes]
+    if any(ROWS_PER_CALL % g for g in sizes):
+        ap.error(f"group, rollout and micro-batch sizes must divide {ROWS_PER_CALL}, got {sizes}")
     unknown = [p for p in args.presets if p != "full" and p not in PRESETS]
     if unknown:
         ap.error(f"unknown presets {unknown}; valid: {', '.join(BENCH_PRESETS)}")

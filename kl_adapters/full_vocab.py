@@ -39,25 +39,11 @@ import torch
 from torch import Tensor
 
 from ._validate import check_batch, check_beta, check_group, check_statistics
-from .estimators import reverse_cumsum
-from .reductions import KLStatistics, conditional_returns, dense_group_ids, leave_one_out_baseline
+from .estimators import reverse_cumsum, working_dtype
+from .reductions import KLStatistics, conditional_returns, leave_one_out_baseline, same_group
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes)
 CHUNK_SIZE = 1024
-
-#: metadata for the preset registry (presets.py, owned by the core): the estimator this module implements
-PRESET_METADATA = dict(
-    name="full",
-    summary="Rao-Blackwellized full-vocabulary KL: exact per-position KL (pathwise) plus the exact future KL as the "
-    "return, with a leave-one-out baseline. Unbiased on- and off-policy; needs both models' full next-token "
-    "distributions (logits or hidden states + output projection).",
-    gradient="sum_t w_{1:t-1} grad KL_t + sum_t grad log pi_t * (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t)",
-    importance_weights="per-decision prefix products with one ratio fewer (w_{1:t-1} on KL_t)",
-    target_on_policy="kl_seq",
-    target_off_policy="kl_seq",
-    unbiased_on_policy=True,
-    unbiased_off_policy=True,
-)
 
 
 def _shift_right(x: Tensor, fill: float) -> Tensor:
@@ -80,11 +66,11 @@ def full_statistics(kl: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | N
     Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
     """
     m = mask.to(kl.dtype)
-    dense = dense_group_ids(group, kl.shape[0], kl.device)
     p, _ = conditional_returns(_next(kl * m), torch.zeros_like(kl), log_rho * m)
     zero_coef = torch.zeros(kl.shape[0], dtype=kl.dtype, device=kl.device)
     none = torch.zeros_like(kl)
-    baseline = leave_one_out_baseline(p=p, q=none, k1=_next(kl * m), cv=none, mask=m, cv_coef=zero_coef, dense=dense)
+    baseline = leave_one_out_baseline(p=p, q=none, k1=_next(kl * m), cv=none, mask=m, cv_coef=zero_coef,
+                                      same=same_group(group, kl.dtype))
     return KLStatistics(cv_coef=zero_coef, baseline=baseline)
 
 
@@ -152,14 +138,13 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
     y = tokens.flatten()[flat].long()
     kl_flat = torch.zeros(flat.numel(), dtype=dtype, device=tokens.device)
     lp_flat, lq_flat = torch.zeros_like(kl_flat), torch.zeros_like(kl_flat)
-    with torch.no_grad():
-        for start in range(0, flat.numel(), chunk_size):
-            part = slice(start, start + chunk_size)
-            z, z_ref = logits_of(flat[part])
-            if int(y[part].min()) < 0 or int(y[part].max()) >= z.shape[-1]:
-                raise ValueError(f"tokens must be ids in [0, {z.shape[-1]}) at unmasked positions")
-            _, lq, kl_flat[part], lp_flat[part] = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
-            lq_flat[part] = lq.gather(-1, y[part, None])[:, 0]
+    for start in range(0, flat.numel(), chunk_size):  # pass 1: the per-token terms every weight depends on
+        part = slice(start, start + chunk_size)
+        z, z_ref = logits_of(flat[part])
+        if int(y[part].min()) < 0 or int(y[part].max()) >= z.shape[-1]:
+            raise ValueError(f"tokens must be ids in [0, {z.shape[-1]}) at unmasked positions")
+        _, lq, kl_flat[part], lp_flat[part] = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
+        lq_flat[part] = lq.gather(-1, y[part, None])[:, 0]
 
     def scatter(x: Tensor) -> Tensor:
         return torch.zeros(batch * horizon, dtype=dtype, device=tokens.device).index_copy_(0, flat, x).view(batch,
@@ -178,15 +163,11 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
         statistics.cv_coef.detach().to(dtype), statistics.baseline.detach().to(dtype) * mf)
     path_w, score_c = full_coefficients(kl, log_rho, mf, stats)
     path_flat, score_flat = path_w.flatten()[flat] / batch, score_c.flatten()[flat] / batch
-    for start in range(0, flat.numel(), chunk_size):
+    for start in range(0, flat.numel(), chunk_size):  # pass 2: the gradient with respect to each chunk's logits
         part = slice(start, start + chunk_size)
         z, z_ref = logits_of(flat[part])
         on_grad(flat[part], _chunk_grad(z.to(dtype), z_ref.to(dtype), y[part], path_flat[part], score_flat[part]))
     return (path_w * kl).sum() / batch
-
-
-def _working_dtype(*tensors: Tensor | None) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 class _FullFromLogits(torch.autograd.Function):
@@ -201,7 +182,7 @@ class _FullFromLogits(torch.autograd.Function):
                 grad[index] = g.to(grad.dtype)
 
         value = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, old_logp, statistics, group,
-                         chunk_size, _working_dtype(logits, ref_logits, old_logp))
+                         chunk_size, working_dtype(logits, ref_logits, old_logp))
         ctx.save_for_backward(None if grad is None else grad.view_as(logits))
         return value
 
@@ -227,7 +208,7 @@ class _FullFromHidden(torch.autograd.Function):
                 grad_w.addmm_(g.t().to(acc), h[index].to(acc))
 
         value = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, old_logp, statistics,
-                         group, chunk_size, _working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp))
+                         group, chunk_size, working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp))
         ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden),
                               None if grad_w is None else grad_w.to(weight.dtype))
         return value

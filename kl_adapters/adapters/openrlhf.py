@@ -1,4 +1,4 @@
-"""OpenRLHF adapter (OpenRLHF 0.11.2): exact-gradient KL in the actor loss and the reward, inside OpenRLHF's Ray actors.
+"""OpenRLHF adapter (OpenRLHF 0.10.4-0.11.2): exact-gradient KL in the actor loss and the reward, in its Ray actors.
 
 Flag (OpenRLHF's ``--algo.kl.*`` idiom): ``--algo.kl.preset <preset>[:is_clip=<c>]`` on
 ``python -m kl_adapters.adapters.openrlhf_cli`` (OpenRLHF's ``train_ppo_ray`` plus that one flag, see openrlhf_cli.py),
@@ -23,15 +23,21 @@ compute_approx_kl):
     1/gas and dp averaging, one optimizer step's gradient is beta * (1/N_seq) * sum over its N_seq sequences of the
     per-sequence preset term: the KL is aggregated per sequence, not as OpenRLHF's global token mean.
     old_logp is ``experience.action_log_probs``, the rollout-time policy recomputed by the trainer (what PPO's ratio
-    uses), so later micro-batches and epochs are importance-weighted exactly (preset "sequence").
+    uses), so later micro-batches and epochs are importance-weighted exactly (preset "sequence"). The reduced presets'
+    statistics are the rows' rollout-wide ones (openrlhf_statistics.py): ``make_experience`` (PPOTrainer) computes
+    them from the whole rollout and stores them in each row's info, OpenRLHF's replay buffer carries them into the
+    micro-batches, and training_step hands them to kl_term (``statistics=``). Experiences not made by a patched
+    make_experience carry none: kl_term then fits them on the micro-batch itself (still exact, noisier).
     Pinned by tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate.
 
-Reward path (default), in the PPOTrainer / TrainingActor (preset "reward" only):
+Reward path (default), in the PPOTrainer / TrainingActor (presets "reward" and "reward-plain"):
     ``RemoteExperienceMaker.make_experience`` is wrapped to hand each sample batch's action mask to
     experience_maker.py's binding of ``compute_approx_kl``, which returns k1_t = log pi_old/pi_ref from ``kl_reward``
     (unclamped; OpenRLHF clamps every estimator to [-10, 10]). OpenRLHF's compute_reward makes it the per-token reward
-    -kl_coef * k1_t and its returns (gamma = 1) the KL reward-to-go, so the PPO gradient at the rollout policy is
-    beta * (B / N_tok) * grad kl_surrogate(preset="reward"), N_tok being OpenRLHF's token-mean divisor.
+    -kl_coef * k1_t and its returns (gamma = 1) the KL reward-to-go: preset "reward-plain". Preset "reward" then
+    replaces each experience's per-token KL by increments d_t whose reward-to-go is the reduced coefficient c_t with
+    the rollout-wide statistics (`_reduce_reward_kl`). Either way the PPO gradient at the rollout policy is
+    beta * (B / N_tok) * grad kl_surrogate(preset, statistics=the rows'), N_tok being OpenRLHF's token-mean divisor.
     Pinned by tests/openrlhf/test_reward_path.py::test_reward_path_gradient_is_reward_preset.
 
 Metrics: OpenRLHF's ``kl`` and ``logprobs_diff`` keep their meaning and values. Added beside them:
@@ -41,10 +47,28 @@ Metrics: OpenRLHF's ``kl`` and ``logprobs_diff`` keep their meaning and values. 
                                 (``--algo.kl.estimator`` kN as preset "kN-loss") and of the preset, before
                                 aggregation: the live bias signal (as in the TRL and verl adapters); 0 when OpenRLHF's
                                 KL gradient would be the preset's token for token.
+    kl_adapters/is_ess          (loss path) effective sample size of the micro-batch's per-decision importance weights
+                                (`KLTerm.is_ess`: 1 on-policy, towards 1/B as they degenerate), logged per batch.
 
 Settings that would make the flag silently wrong or a no-op raise ValueError (`check_args`); code paths the CPU tests
 cannot run (packing, ring attention, DeepSpeed tensor parallelism) raise UnsupportedFrameworkError unless
-KL_ADAPTERS_ALLOW_UNTESTED=1. Other OpenRLHF versions are refused by the version guard.
+KL_ADAPTERS_ALLOW_UNTESTED=1. Other OpenRLHF versions are refused by the version guard (versions.TESTED).
+
+Releases (their KL code diffed, not only tested): what differs and where it is handled.
+    0.11.1 -> 0.11.2  compute_approx_kl clamps log_ratio at -10 before k3's exp (the value OpenRLHF logs; our gradient
+                      never goes through it); --actor.loss_agg_mode is new (`_check_reward_path` reads it with the
+                      0.11.1 meaning, token-mean, as default); PolicyLoss returns 5 values (training_step is wrapped,
+                      not copied, so its arity does not matter); the reward path promotes rewards to float32 and gains
+                      flash_reinforce (the KL reward is float32 already; compute_reward and the returns are unchanged).
+    0.11.0 -> 0.11.1  compute_approx_kl gains log_probs_old and unbiased_gradient, and training_step passes them;
+                      --algo.kl.unbiased_gradient is new. `_wrap_loss_kl` forwards the release's own call and takes
+                      old_logp from the experience on every release; `check_args` reads the flag only where it exists.
+    0.10.4 -> 0.11.0  no change to compute_approx_kl, compute_reward, the returns, training_step's KL, aggregate_loss
+                      or the replay buffer (the diffs: z3 leaf modules, masked_normalize's keepdim, a dead GSPO line).
+    0.10.3 and older  refused even with KL_ADAPTERS_ALLOW_UNTESTED=1 (`_refuse_incompatible`): training_step takes no
+                      loss_batch_info and normalises each micro-batch by its own token count (0.10.4 introduced the
+                      optimizer-step normalisers, loss_utils.iter_grad_accum_global_norm), so `_loss_term`'s scale
+                      would be wrong.
 """
 
 from __future__ import annotations
@@ -52,7 +76,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
+import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -64,13 +90,17 @@ from torch import Tensor
 
 from .. import activation, native
 from ..activation import Settings
-from ..surrogate import KLTerm, kl_reward, kl_term, sequence_kl
+from ..presets import get_preset
+from ..reductions import KLStatistics
+from ..surrogate import KLTerm, kl_coefficients, kl_reward, kl_term, sequence_kl
+from . import openrlhf_statistics
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
 from .versions import supported_range
 from .openrlhf_cli import FLAG
 
 SEQ_KL = "kl_adapters/seq_kl"
 GRAD_WEIGHT_GAP = "kl_adapters/grad_weight_gap"
+IS_ESS = "kl_adapters/is_ess"
 
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
 _EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker"
@@ -103,7 +133,8 @@ def check_args(args: Any, settings: Settings) -> None:
     KL_ADAPTERS_ALLOW_UNTESTED=1, which warns instead).
     """
     kl, flag = args.algo.kl, f"{FLAG} {settings}"
-    if kl.unbiased_gradient:
+    # --algo.kl.unbiased_gradient arrived in 0.11.1 (PR #1309); 0.10.4 / 0.11.0 args have no such attribute
+    if getattr(kl, "unbiased_gradient", False):
         raise ValueError(f"{flag} and --algo.kl.unbiased_gradient both choose the KL gradient; drop one (preset "
                          "'token:is_clip=10' is what unbiased_gradient computes)")
     if not kl.init_coef > 0:
@@ -124,9 +155,9 @@ def check_args(args: Any, settings: Settings) -> None:
 
 def _check_reward_path(args: Any, settings: Settings, flag: str) -> None:
     kl, adv = args.algo.kl, args.algo.advantage
-    if settings.preset != "reward":
-        raise ValueError(f"{flag}: without --algo.kl.use_loss OpenRLHF puts the KL in the reward, where only preset "
-                         "'reward' applies; add --algo.kl.use_loss to use this preset as the KL loss")
+    if settings.preset not in ("reward", "reward-plain"):
+        raise ValueError(f"{flag}: without --algo.kl.use_loss OpenRLHF puts the KL in the reward, where only presets "
+                         "'reward' / 'reward-plain' apply; add --algo.kl.use_loss to use this preset as the KL loss")
     if settings.is_clip is not None:
         raise ValueError(f"{flag}: is_clip caps the importance weights of a KL loss; on the reward path the KL reward "
                          "is weighted by PPO's own ratio, so is_clip would be a silent no-op")
@@ -136,7 +167,8 @@ def _check_reward_path(args: Any, settings: Settings, flag: str) -> None:
     if adv.estimator in ("gae", "reinforce") and adv.gamma != 1:
         raise ValueError(f"{flag} with --algo.advantage.gamma {adv.gamma}: a discounted KL reward-to-go is not the "
                          "gradient of the sequence KL; use gamma 1 (the default)")
-    if args.actor.loss_agg_mode != "token-mean" or args.actor.policy_loss_type == "gspo":
+    # --actor.loss_agg_mode arrived in 0.11.2; before it PolicyLoss is token-mean unless gspo forces sequence mode
+    if getattr(args.actor, "loss_agg_mode", "token-mean") != "token-mean" or args.actor.policy_loss_type == "gspo":
         raise ValueError(f"{flag}: --actor.loss_agg_mode seq-mean-token-mean (forced by gspo) divides each sequence's "
                          "KL reward-to-go by its length, which optimizes a length-normalized KL; use token-mean ppo")
 
@@ -156,6 +188,7 @@ class _LossStep:
     settings: Settings
     experience: Any
     loss_batch_info: dict
+    statistics: KLStatistics | None  # the micro-batch rows' rollout-wide statistics (openrlhf_statistics.take)
 
 
 _loss_step: contextvars.ContextVar[_LossStep | None] = contextvars.ContextVar("kl_adapters_loss_step", default=None)
@@ -168,11 +201,12 @@ def _wrap_training_step(original: Callable) -> Callable:
         if settings is None or not self.args.algo.kl.use_loss:
             return original(self, experience, kl_ctl, step, loss_batch_info)
         check_args(self.args, settings)
+        statistics = openrlhf_statistics.take(experience)  # before OpenRLHF logs experience.info
         if loss_batch_info is None:  # dynamic batching: the call OpenRLHF's training_step makes (ppo_actor.py:273-280)
             loss_batch_info = sys.modules[_PPO_ACTOR].get_loss_batch_info(
                 self.strategy, experience.action_mask, replay_buffer=self.replay_buffer, step=step,
                 dynamic_batch=self.args.train.dynamic_batch_enable)
-        token = _loss_step.set(_LossStep(settings, experience, loss_batch_info))
+        token = _loss_step.set(_LossStep(settings, experience, loss_batch_info, statistics))
         try:
             return original(self, experience, kl_ctl, step, loss_batch_info)
         finally:
@@ -182,17 +216,27 @@ def _wrap_training_step(original: Callable) -> Callable:
 
 
 def _wrap_loss_kl(original: Callable) -> Callable:
+    # Signature by release: 0.10.4 / 0.11.0 (log_probs, log_probs_base, kl_estimator); 0.11.1+ adds log_probs_old and
+    # unbiased_gradient (PR #1309). Calls are forwarded as made and read through the release's own signature.
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False):
+    def compute_approx_kl(*args, **kwargs):
         step = _loss_step.get()
         if step is None:
-            return original(log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)
+            return original(*args, **kwargs)
         with torch.no_grad():
-            value = original(log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)
-        s = step.settings
-        term = kl_term(log_probs, log_probs_base, step.experience.action_mask, preset=s.preset, old_logp=log_probs_old,
-                       is_clip=s.is_clip)
-        _log_loss_metrics(step, term, kl_estimator)
+            value = original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        s, experience = step.settings, step.experience
+        # old_logp = experience.action_log_probs, the rollout-time policy: what 0.11.1+ pass as log_probs_old
+        # (ppo_actor.py: old_action_log_probs) and 0.10.4 / 0.11.0 do not pass at all (their call has no such argument)
+        # statistics None (experiences not made by a patched make_experience): kl_term's own, from this micro-batch
+        term = kl_term(call.arguments["log_probs"], call.arguments["log_probs_base"], experience.action_mask,
+                       preset=s.preset, old_logp=experience.action_log_probs, is_clip=s.is_clip,
+                       statistics=step.statistics)
+        _log_loss_metrics(step, term, call.arguments["kl_estimator"])
         return value + _loss_term(step, term).to(value.dtype)
 
     return compute_approx_kl
@@ -221,6 +265,7 @@ def _loss_term(step: _LossStep, kl: KLTerm) -> Tensor:
 def _log_loss_metrics(step: _LossStep, kl: KLTerm, estimator: str) -> None:
     info = step.experience.info
     info[SEQ_KL] = kl.sequence_kl
+    info[IS_ESS] = kl.is_ess
     native_weight = kl.coefficients_of(native.openrlhf_loss(estimator).preset)
     gap, size = (native_weight - kl.coefficients).abs().sum(), kl.coefficients.abs().sum()  # both zero at padding
     info[GRAD_WEIGHT_GAP] = torch.where(size > 0, gap / size.clamp(min=torch.finfo(size.dtype).tiny), 0.0)  # 0-dim
@@ -229,44 +274,76 @@ def _log_loss_metrics(step: _LossStep, kl: KLTerm, estimator: str) -> None:
 # ---- reward path (PPOTrainer / TrainingActor) ----------------------------------------------------------------------
 
 
-#: the sample batches make_experience computes a KL for, in its order (experience_maker.py:202-210)
-_reward_samples: contextvars.ContextVar[Iterator[Any] | None] = contextvars.ContextVar("kl_adapters_reward_samples",
-                                                                                        default=None)
+@dataclass
+class _Rollout:
+    """make_experience's sample batches, in the order it computes their KL (experience_maker.py: the KL loop), and the
+    (log pi_old, log pi_ref) pair of each one the reward KL was computed from."""
+
+    pending: Iterator[Any]
+    log_probs: list[tuple[Tensor, Tensor]]
+
+
+_rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar("kl_adapters_rollout", default=None)
 
 
 def _wrap_make_experience(original: Callable) -> Callable:
     @functools.wraps(original)
     def make_experience(self, samples_list):
         settings = _settings(self.args)
-        if settings is None or self.args.algo.kl.use_loss:
+        if settings is None:
             return original(self, samples_list)
         check_args(self.args, settings)
-        pending = iter(samples_list)
-        token = _reward_samples.set(pending)
+        reduced, n_samples = get_preset(settings.preset).uses_batch_statistics, self.args.rollout.n_samples_per_prompt
+        if self.args.algo.kl.use_loss:  # loss path: statistics for the actor's micro-batches, carried in info
+            experiences = original(self, samples_list)
+            if reduced:
+                logp = [(e.action_log_probs, e.base_action_log_probs) for e in experiences]
+                for e, stats in zip(experiences, openrlhf_statistics.rollout_statistics(
+                        experiences, *zip(*logp), n_samples)):
+                    openrlhf_statistics.attach(e, stats)
+            return experiences
+        rollout = _Rollout(iter(samples_list), [])
+        token = _rollout.set(rollout)
         try:
             experiences = original(self, samples_list)
         finally:
-            _reward_samples.reset(token)
-        if next(pending, None) is not None:
+            _rollout.reset(token)
+        if next(rollout.pending, None) is not None or len(rollout.log_probs) != len(experiences):
             raise UnsupportedFrameworkError("OpenRLHF's make_experience computed fewer KLs than it has sample batches; "
                                             f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
+        if reduced:
+            _reduce_reward_kl(experiences, rollout.log_probs, settings, n_samples)
         return experiences
 
     return make_experience
 
 
+def _reduce_reward_kl(experiences: list, log_probs: list[tuple[Tensor, Tensor]], settings: Settings,
+                      n_samples: int) -> None:
+    """Replace each experience's per-token KL (k1, from `_wrap_reward_kl`) by rewards whose reward-to-go is the reduced
+    preset's coefficient c_t (rollout-wide statistics): compute_reward makes them -kl_coef * d_t and the returns
+    (gamma = 1) -kl_coef * c_t, so the PPO gradient at the rollout policy is the reduced preset's. The score's
+    baseline (group_norm, rloo, ...) acts on the scalar score only, before the KL is added (experience_maker.py)."""
+    all_stats = openrlhf_statistics.rollout_statistics(experiences, *zip(*log_probs), n_samples)
+    for e, (logp, ref_logp), stats in zip(experiences, log_probs, all_stats):
+        c = kl_coefficients(logp, ref_logp, e.action_mask, preset=settings.preset, statistics=stats)
+        e.kl = openrlhf_statistics.reward_increments(c, e.action_mask).to(e.kl.dtype)
+
+
 def _wrap_reward_kl(original: Callable) -> Callable:
     @functools.wraps(original)
-    def compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False):
-        pending = _reward_samples.get()
-        if pending is None:
-            return original(log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)
-        sample = next(pending, None)
+    def compute_approx_kl(log_probs, log_probs_base, *args, **kwargs):  # the rest differs by release (_wrap_loss_kl)
+        rollout = _rollout.get()
+        if rollout is None:
+            return original(log_probs, log_probs_base, *args, **kwargs)
+        sample = next(rollout.pending, None)
         if sample is None or sample.action_mask.shape != log_probs.shape:
             raise UnsupportedFrameworkError("OpenRLHF's make_experience computed its KLs in an unexpected order; "
                                             f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
+        rollout.log_probs.append((log_probs, log_probs_base))
         sample.info[SEQ_KL] = sequence_kl(log_probs, log_probs_base, sample.action_mask)
-        # k1_t (zero at padding, no clamp): compute_reward turns it into the reward -kl_coef * k1_t
+        # k1_t (zero at padding, no clamp): compute_reward turns it into the reward -kl_coef * k1_t ("reward-plain");
+        # the reduced "reward" replaces it once the whole rollout is known (`_reduce_reward_kl`)
         return (-kl_reward(log_probs, log_probs_base, sample.action_mask, beta=1.0)).float()
 
     return compute_approx_kl
@@ -300,14 +377,28 @@ def _replace(owner: object, name: str, wrap: Callable[[Callable], Callable]) -> 
         setattr(owner, name, wrap(_originals[(owner, name)]))
 
 
+#: the first release whose training_step gets the optimizer-step normalisers (loss_batch_info) this adapter relies on
+_FIRST_COMPATIBLE = (0, 10, 4)
+
+
+def _refuse_incompatible(version: str) -> None:
+    """UnsupportedFrameworkError for releases the adapter cannot patch correctly, whatever KL_ADAPTERS_ALLOW_UNTESTED."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+    if release < _FIRST_COMPATIBLE:
+        raise UnsupportedFrameworkError(
+            f"openrlhf=={version} cannot be patched: before 0.10.4 ActorPPOTrainer.training_step takes no "
+            "loss_batch_info and normalises the loss per micro-batch, so the KL scale kl-adapters sets would be wrong "
+            f"(not overridable by {ALLOW_UNTESTED_ENV}); kl-adapters supports {supported_range('openrlhf')}")
+
+
 def patch(trigger: str) -> None:
-    """Patch what OpenRLHF keeps in module `trigger` (idempotent; raises UnsupportedFrameworkError off 0.11.2).
+    """Patch what OpenRLHF keeps in module `trigger` (idempotent; UnsupportedFrameworkError off versions.TESTED).
 
     openrlhf.trainer.ray.ppo_actor: ActorPPOTrainer.training_step, its compute_approx_kl binding, and
         openrlhf.utils.config.hierarchize (the CLI's args builder, which then carries the flag into the actors);
     openrlhf.trainer.ppo_utils.experience_maker: RemoteExperienceMaker.make_experience, its compute_approx_kl binding.
     """
-    require_version("openrlhf")
+    _refuse_incompatible(require_version("openrlhf"))
     module = sys.modules[trigger]
     if trigger == _PPO_ACTOR:
         _replace(module.ActorPPOTrainer, "training_step", _wrap_training_step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 TESTED: dict[str, tuple[str, ...]] = {
     "trl": ("1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0"),
     "verl": ("0.9.0", "0.9.1"),
-    "openrlhf": ("0.11.2",),
+    "openrlhf": ("0.10.4", "0.11.0", "0.11.1", "0.11.2"),
 }
 
 

@@ -3,8 +3,16 @@ small run, and the loss-path setup shared by test_loss_path.py and upstream_patc
 
 from __future__ import annotations
 
+import importlib.metadata
 import runpy
 import sys
+
+from packaging.version import Version
+
+#: --algo.kl.unbiased_gradient (PR #1309) exists from OpenRLHF 0.11.1 on
+HAS_UNBIASED_GRADIENT = Version(importlib.metadata.version("openrlhf")) >= Version("0.11.1")
+#: --actor.loss_agg_mode exists from OpenRLHF 0.11.2 on
+HAS_LOSS_AGG_MODE = Version(importlib.metadata.version("openrlhf")) >= Version("0.11.2")
 
 #: the loss-path run: kl_ctl, micro-batch size, gradient accumulation, response lengths of the 8 ragged sequences
 BETA, MICRO, GAS = 0.1, 2, 2
@@ -120,20 +128,36 @@ def loss_path_batch(actor_dir: str, ref_dir: str) -> dict:
                 base_action_log_probs=base, advantages=advantages)
 
 
-def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = "cpu"):
+def batch_statistics(batch: dict, n_samples_per_prompt: int = 2):
+    """The rollout-wide statistics make_experience attaches on the loss path (the adapter's own code), for the batch as
+    one sample batch at rollout positions 0..7 (GRPO groups of n_samples_per_prompt)."""
+    from types import SimpleNamespace
+
+    from kl_adapters.adapters.openrlhf_statistics import rollout_statistics
+
+    rollout = SimpleNamespace(action_mask=batch["action_mask"], index=list(range(len(RESPONSES))))
+    return rollout_statistics([rollout], [batch["action_log_probs"]], [batch["base_action_log_probs"]],
+                              n_samples_per_prompt)[0]
+
+
+def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = "cpu", statistics=None):
     """OpenRLHF's ppo_train on the batch (micro-batches of MICRO, GAS per optimizer step): (trainer, recorded
-    (experience, loss_batch_info) per training step, status); the strategy shim logs every step's gradient."""
+    (experience, loss_batch_info) per training step, status); the strategy shim logs every step's gradient.
+    statistics: the batch's rollout-wide KLStatistics, attached to its info as make_experience does."""
     import torch
     from openrlhf_cpu_shim import load_actor
 
+    from kl_adapters.adapters.openrlhf_statistics import attach
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     trainer = build_trainer(args, load_actor(actor_dir).to(device), micro_batch=MICRO, gas=GAS, device=device)
     trainer.strategy.ds_device_mesh = mesh
     steps = record_steps(trainer)
-    trainer.replay_buffer.append(Experience(**{k: v.clone() for k, v in batch.items()},
-                                            total_length=batch["attention_mask"].sum(-1),
-                                            index=list(range(len(RESPONSES))), info={}))
+    experience = Experience(**{k: v.clone() for k, v in batch.items()}, total_length=batch["attention_mask"].sum(-1),
+                            index=list(range(len(RESPONSES))), info={})
+    if statistics is not None:
+        attach(experience, statistics)
+    trainer.replay_buffer.append(experience)
     torch.manual_seed(0)  # ppo_train shuffles the replay buffer
     status = trainer.ppo_train(kl_ctl=BETA)
     return trainer, steps, status
@@ -151,14 +175,37 @@ def load_params(actor_dir: str, params: dict):
     return model
 
 
-def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS):
+def rows_of(batch: dict, exp) -> list[int]:
+    """The batch row of each row of a micro-batch OpenRLHF built from it (matched by token ids, padding aside)."""
+    import torch
+
+    width = exp.sequences.shape[1]
+    full = torch.nn.functional.pad(batch["sequences"], (0, max(width - batch["sequences"].shape[1], 0)))[:, :width]
+    return [int((full == row.to(full.device)).all(-1).nonzero().squeeze()) for row in exp.sequences]
+
+
+def rows_statistics(batch: dict, statistics, exp):
+    """The KLStatistics rows of a micro-batch's sequences (`rows_of`), on its device, at its width."""
+    from kl_adapters.reductions import KLStatistics
+
+    rows, device, width = rows_of(batch, exp), exp.action_mask.device, exp.action_mask.shape[1]
+    return KLStatistics(statistics.cv_coef[rows].to(device), statistics.baseline[rows, :width].to(device),
+                        statistics.alone[rows].to(device))
+
+
+def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS, statistics=None):
     """grad of  sum_micro PolicyLoss / gas  +  beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq).
 
     The KL part is computed one sequence at a time (B = 1), so its divisor is the count N_seq of non-empty sequences
-    in the optimizer step, counted here, not OpenRLHF's normaliser. `settings`: the preset and is_clip."""
+    in the optimizer step, counted here, not OpenRLHF's normaliser. `settings`: the preset and is_clip. statistics:
+    (batch, its KLStatistics) -- each sequence's kl_surrogate gets its own row's statistics (reduced presets); None:
+    the B = 1 form (presets without batch statistics)."""
     import torch
 
     from kl_adapters import kl_surrogate
+
+    def own(exp, b):
+        return None if statistics is None else rows_statistics(*statistics, exp)[b:b + 1]
 
     task, per_sequence = 0.0, []
     for exp, info in window:
@@ -167,7 +214,7 @@ def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS
                                             **info)[0] / gas
         per_sequence += [kl_surrogate(logp[b:b + 1], exp.base_action_log_probs[b:b + 1], exp.action_mask[b:b + 1],
                                       preset=settings.preset, old_logp=exp.action_log_probs[b:b + 1],
-                                      is_clip=settings.is_clip)
+                                      is_clip=settings.is_clip, statistics=own(exp, b))
                          for b in range(len(logp)) if exp.action_mask[b].any()]
     loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
     return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])

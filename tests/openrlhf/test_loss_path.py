@@ -14,18 +14,22 @@ import pytest
 import torch
 
 import kl_adapters
-from kl_adapters import activation, kl_coefficients, sequence_kl
+from kl_adapters import activation, kl_coefficients, kl_term
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
+from kl_adapters.adapters.openrlhf_statistics import KEYS
+from kl_adapters.presets import get_preset
 from openrlhf_harness import (
     BETA,
     GAS,
     base_argv,
+    batch_statistics,
     cli_args,
     load_params,
     loss_path_batch,
     ppo_train_on,
     reference_grad,
+    rows_statistics,
 )
 
 
@@ -42,24 +46,30 @@ def batch(actor_dir, ref_dir):
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("device, preset", [("cpu", "sequence"), ("cpu", "sequence:is_clip=1.5"), ("cpu", "reward"),
-                                            ("cpu", "k3-loss"), pytest.param("cuda", "sequence", marks=ON_GPU)])
+                                            ("cpu", "sequence-plain"), ("cpu", "k3-loss"),
+                                            pytest.param("cuda", "sequence", marks=ON_GPU)])
 def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, device, preset):
     """Every optimizer step's gradient = grad(OpenRLHF's task loss) + beta * grad[(1/N_seq) sum_b kl_surrogate_b].
 
     kl_surrogate_b's gradient is the preset's sum_t c_t grad log pi_t with the behaviour log-probs as old_logp
     (for "sequence": the unbiased off-policy estimate of grad KL_seq); exact to float32 rounding on all 4 steps.
-    The cuda case (skipped without CUDA) runs the same check with the model and batches on the GPU."""
+    Reduced presets: the batch carries its rollout-wide statistics (as make_experience attaches them) through
+    OpenRLHF's replay buffer (split, shuffled, re-batched), and kl_surrogate_b gets row b's own statistics: so every
+    micro-batch row received its row's statistics. The cuda case (skipped without CUDA) runs on the GPU."""
     settings = activation.parse(preset)
     kl_adapters.enable(settings.preset, is_clip=settings.is_clip)
-    trainer, steps, _ = ppo_train_on(args, actor_dir, batch, device=device)
+    stats = batch_statistics(batch) if get_preset(settings.preset).uses_batch_statistics else None
+    trainer, steps, _ = ppo_train_on(args, actor_dir, batch, device=device, statistics=stats)
     log = trainer.strategy
+    own = None if stats is None else (batch, stats)
     assert len(log.grad_log) == len(steps) // GAS == 4
     for k, grad in enumerate(log.grad_log):
         window = steps[GAS * k:GAS * (k + 1)]
         model = load_params(actor_dir, log.params_log[k])
-        expected = reference_grad(model, window, trainer, settings, BETA)
-        task_only = reference_grad(model, window, trainer, settings, 0.0)
+        expected = reference_grad(model, window, trainer, settings, BETA, statistics=own)
+        task_only = reference_grad(model, window, trainer, settings, 0.0, statistics=own)
         kl_part = (expected - task_only).norm()
         assert kl_part > 0.1 * expected.norm(), "the KL term must matter in this test"
         assert (grad - expected).norm() < 1e-4 * kl_part, f"step {k}"
@@ -72,19 +82,24 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
     with torch.no_grad():
         logp = load_params(actor_dir, log.params_log[0])(exp.sequences, exp.action_mask,
                                                          attention_mask=exp.attention_mask)
-        native_kl = aggregate_loss(compute_approx_kl(logp, exp.base_action_log_probs, exp.action_log_probs, "k3"),
-                                   exp.action_mask, **info)
+        native_kl = aggregate_loss(compute_approx_kl(logp, exp.base_action_log_probs, kl_estimator="k3"),
+                                   exp.action_mask, **info)  # (log_probs_old only matters with unbiased_gradient)
     torch.testing.assert_close(exp.info["kl"], native_kl, rtol=1e-6, atol=0)
-    torch.testing.assert_close(exp.info[adapter.SEQ_KL],
-                               sequence_kl(logp, exp.base_action_log_probs, exp.action_mask,
-                                           old_logp=exp.action_log_probs, is_clip=settings.is_clip), rtol=1e-5, atol=0)
-    weights = [kl_coefficients(logp, exp.base_action_log_probs, exp.action_mask, preset=p, old_logp=exp.action_log_probs,
-                               is_clip=c) for p, c in (("k3-loss", None), (settings.preset, settings.is_clip))]
+    term = kl_term(logp, exp.base_action_log_probs, exp.action_mask, preset=settings.preset,
+                   old_logp=exp.action_log_probs, is_clip=settings.is_clip,
+                   statistics=None if stats is None else rows_statistics(batch, stats, exp))
+    torch.testing.assert_close(exp.info[adapter.SEQ_KL], term.sequence_kl, rtol=1e-5, atol=0)
+    torch.testing.assert_close(exp.info[adapter.IS_ESS], term.is_ess)  # 0-dim, < 1: off-policy from the start
+    assert exp.info[adapter.IS_ESS].dim() == 0 and 0 < exp.info[adapter.IS_ESS] < 1
+    assert not any(key in exp.info for key in KEYS), "statistics must not reach OpenRLHF's metrics"
+    weights = [kl_coefficients(logp, exp.base_action_log_probs, exp.action_mask, preset="k3-loss",
+                               old_logp=exp.action_log_probs), term.coefficients]
     gap = exp.info[adapter.GRAD_WEIGHT_GAP]  # sum |c_native - c_preset| / sum |c_preset|, native = OpenRLHF's k3 loss
     torch.testing.assert_close(gap, (weights[0] - weights[1]).abs().sum() / weights[1].abs().sum())
     assert gap.dim() == 0 and (gap == 0) == (preset == "k3-loss")
 
 
+@pytest.mark.compat
 def test_flag_off_is_bit_identical(args, actor_dir, batch, cpu_cuda):
     """Patched but switched off by the flag (--algo.kl.preset none): gradients and metrics bit-identical to OpenRLHF
     never patched; disable() restores OpenRLHF's own functions."""
@@ -116,21 +131,38 @@ def test_conflict_is_refused_inside_the_trainer(args, actor_dir, batch, cpu_cuda
         ppo_train_on(bad, actor_dir, batch)
 
 
+def _pretend_version(monkeypatch, release: str) -> None:
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: release if d == "openrlhf" else version(d))
+
+
 def test_version_guard(monkeypatch):
-    """Another OpenRLHF version is refused with the supported range; KL_ADAPTERS_ALLOW_UNTESTED=1 only warns."""
+    """An untested OpenRLHF version is refused with the supported range; KL_ADAPTERS_ALLOW_UNTESTED=1 only warns."""
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
 
-    version = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.11.1" if d == "openrlhf" else version(d))
+    _pretend_version(monkeypatch, "0.11.3")
+    monkeypatch.delenv("KL_ADAPTERS_ALLOW_UNTESTED", raising=False)  # scripts/compat.sh sets it for the whole suite
     original = ppo_actor.ActorPPOTrainer.training_step
-    with pytest.raises(UnsupportedFrameworkError, match=r"supports openrlhf 0\.11\.2 .*found openrlhf==0\.11\.1"):
+    with pytest.raises(UnsupportedFrameworkError, match=r"supports openrlhf 0\.10\.4, .*found openrlhf==0\.11\.3"):
         kl_adapters.enable("sequence")
     assert ppo_actor.ActorPPOTrainer.training_step is original
     kl_adapters.disable()
     monkeypatch.setenv("KL_ADAPTERS_ALLOW_UNTESTED", "1")
-    with pytest.warns(RuntimeWarning, match="0.11.1"):
+    with pytest.warns(RuntimeWarning, match="0.11.3"):
         kl_adapters.enable("sequence")
     assert "ActorPPOTrainer.training_step" in adapter.patched()
+
+
+def test_releases_before_0_10_4_are_refused_even_when_overridden(monkeypatch):
+    """0.10.3's training_step normalises per micro-batch (no loss_batch_info): refused with the reason, always."""
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    _pretend_version(monkeypatch, "0.10.3")
+    monkeypatch.setenv("KL_ADAPTERS_ALLOW_UNTESTED", "1")
+    original = ppo_actor.ActorPPOTrainer.training_step
+    with pytest.warns(RuntimeWarning), pytest.raises(UnsupportedFrameworkError, match="before 0.10.4.*loss_batch_info"):
+        kl_adapters.enable("sequence")
+    assert ppo_actor.ActorPPOTrainer.training_step is original
 
 
 @pytest.fixture
@@ -153,14 +185,15 @@ def process_group():
 
 def test_dynamic_batching_gradient(args, actor_dir, batch, cpu_cuda, process_group):
     """--train.dynamic_batch_enable: micro-batches of uneven size (token budget 24) and OpenRLHF's per-step normalisers
-    from the replay buffer; the same identity holds per optimizer step. (OpenRLHF's CLI also turns on packing, which
-    needs flash-attn and is refused as untested; here packing stays off.)"""
+    from the replay buffer; the same identity holds per optimizer step, each row with its rollout-wide statistics.
+    (OpenRLHF's CLI also turns on packing, which needs flash-attn and is refused as untested; here it stays off.)"""
     from openrlhf.utils.loss_utils import get_loss_batch_info
 
     kl_adapters.enable("sequence")
     dynamic = copy.deepcopy(args)
     dynamic.train.dynamic_batch_enable, dynamic.train.max_tokens_per_gpu = True, 24
-    trainer, steps, _ = ppo_train_on(dynamic, actor_dir, batch, mesh=process_group)
+    stats = batch_statistics(batch)
+    trainer, steps, _ = ppo_train_on(dynamic, actor_dir, batch, mesh=process_group, statistics=stats)
     buffer, log = trainer.replay_buffer, trainer.strategy
     ends = [i + 1 for i, last in enumerate(buffer.dynamic_optimizer_step * dynamic.train.max_epochs) if last]
     assert len(log.grad_log) == len(ends) == 4 and len(steps) > len(ends)  # uneven micro-batches per step
@@ -168,6 +201,8 @@ def test_dynamic_batching_gradient(args, actor_dir, batch, cpu_cuda, process_gro
         window = [(exp, get_loss_batch_info(log, exp.action_mask, replay_buffer=buffer, step=i % len(buffer),
                                             dynamic_batch=True)) for i, (exp, _) in enumerate(steps[start:end], start)]
         model = load_params(actor_dir, log.params_log[k])
-        expected = reference_grad(model, window, trainer, activation.parse("sequence"), BETA, gas=1)
-        task_only = reference_grad(model, window, trainer, activation.parse("sequence"), 0.0, gas=1)
+        expected = reference_grad(model, window, trainer, activation.parse("sequence"), BETA, gas=1,
+                                  statistics=(batch, stats))
+        task_only = reference_grad(model, window, trainer, activation.parse("sequence"), 0.0, gas=1,
+                                   statistics=(batch, stats))
         assert (log.grad_log[k] - expected).norm() < 1e-4 * (expected - task_only).norm(), f"step {k}"

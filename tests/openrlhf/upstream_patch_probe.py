@@ -11,7 +11,8 @@ init_coef 0.1) -- the gradient of every optimizer step and the returned status.
 Patched tree only:
     "step_error"    --algo.kl.level sequence: per optimizer step |g - g_expected| / |g_kl|, g_expected = grad of
                     OpenRLHF's task loss + init_coef * (1/N_seq) * sum over the step's N_seq sequences of
-                    kl_surrogate("sequence", old_logp=action_log_probs) (g_kl its KL part; "kl_share" = |g_kl| / |g|)
+                    kl_surrogate("sequence-plain", old_logp=action_log_probs) (the patch's estimator; g_kl its KL part;
+                    "kl_share" = |g_kl| / |g|)
     "kl_metric"     OpenRLHF's logged kl of the first step vs its own token-mean k3 (unchanged meaning)
     "cli"           the CLI's refusals (--algo.kl.level sequence without --algo.kl.use_loss, or with unbiased_gradient)
     "random_error"  compute_sequence_kl vs kl_surrogate on random ragged batches (float64)
@@ -34,7 +35,7 @@ def sequence_level(argv: list[str], actor_dir: str, batch: dict) -> dict:
 
     trainer, steps, _ = ppo_train_on(cli_args(argv + ["--algo.kl.level", "sequence"]), actor_dir, batch)
     log = trainer.strategy
-    errors, share, sequence = {}, {}, Settings("sequence", None)
+    errors, share, sequence = {}, {}, Settings("sequence-plain", None)
     for k, grad in enumerate(log.grad_log):
         window = steps[GAS * k:GAS * (k + 1)]
         model = load_params(actor_dir, log.params_log[k])

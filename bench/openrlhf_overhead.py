@@ -5,7 +5,8 @@ Two measurements, on the same tiny random Llama and one fixed micro-batch (deter
                  (SGD with lr 0, so every repeat sees the same parameters)
   kl_term        only the KL: compute_approx_kl through ppo_actor's binding + aggregate_loss + backward, on fixed
                  [B, T] log-prob tensors (where the adapter adds work: worst case, absolute cost)
-The two configurations alternate call by call (ABBA order, `--repeats` timed calls each after 5 warm-up calls), so
+kl-adapters runs with the micro-batch rows' rollout-wide statistics given (as make_experience stores them; computed
+once per rollout, outside the timed calls). The two configurations alternate call by call (ABBA order, `--repeats` timed calls each after 5 warm-up calls), so
 drift in machine load hits both alike; the result file holds every timing, the medians, their ratio and the median of
 the per-pair ratios. On CPU it runs single-threaded with the test suite's import stubs (flash_attn, vllm) and CPU
 strategy shim from tests/openrlhf.
@@ -37,6 +38,7 @@ from timing import alternating, compare, write_result  # noqa: E402
 
 import kl_adapters  # noqa: E402
 from kl_adapters.adapters import openrlhf as adapter  # noqa: E402
+from kl_adapters.adapters.openrlhf_statistics import attach, rollout_statistics  # noqa: E402
 
 BETA = 0.01
 
@@ -71,9 +73,12 @@ def training_step_fn(args, actor, tensors, old, base, device):
     trainer = build_trainer(args, actor, micro_batch=len(old), gas=1, lr=0.0, device=device, record=False)
     exp = experience(tensors, old, base)
     info = get_loss_batch_info(trainer.strategy, exp.action_mask)
+    stats = rollout_statistics([exp], [old], [base], n_samples_per_prompt=1)[0]  # once per rollout in training
 
     def run():
         exp.info = {}  # training_step writes its metrics there
+        if kl_adapters.activation.active() is not None:  # the rows' statistics, as make_experience stores them
+            attach(exp, stats)
         return trainer.training_step(exp, BETA, 0, info)
 
     return run
@@ -87,6 +92,8 @@ def kl_term_fn(tensors, old, base):
     mask = tensors[2]
     info = get_loss_batch_info(None, mask)
     exp = experience(tensors, old, base)
+    # the statistics make_experience computes once per rollout (outside the timed loss call, as in training)
+    stats = rollout_statistics([exp], [old], [base], n_samples_per_prompt=1)[0]
 
     def run():
         logp = (old + 0.01).requires_grad_(True)
@@ -94,7 +101,7 @@ def kl_term_fn(tensors, old, base):
         (aggregate_loss(kl, mask, **info) * BETA).backward()
 
     def patched():  # the context the patched training_step sets around OpenRLHF's own
-        token = adapter._loss_step.set(adapter._LossStep(kl_adapters.activation.active(), exp, info))
+        token = adapter._loss_step.set(adapter._LossStep(kl_adapters.activation.active(), exp, info, stats))
         try:
             run()
         finally:

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -101,14 +102,20 @@ def _timed(run: RunFn, problem: ToyProblem, config: str, seed: int, settings: Tr
 
 
 def environment() -> dict:
-    """Python, torch and framework versions, device: what a result was measured with."""
+    """Python, torch and framework versions, device, and the kl-adapters source (`git describe --always --dirty` of
+    the checkout it runs from, when it runs from one): what a result was measured with."""
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    for dist in ("trl", "transformers", "verl", "openrlhf", "ray"):
+    for dist in ("kl-adapters", "trl", "transformers", "verl", "openrlhf", "ray"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             env[dist] = importlib.metadata.version(dist)
+    source = Path(__file__).resolve().parents[2]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        env["kl_adapters_source"] = subprocess.run(
+            ["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True, text=True,
+            check=True, timeout=10).stdout.strip()
     return env
 
 

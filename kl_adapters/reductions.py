@@ -72,22 +72,15 @@ def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
     return torch.expm1(-k1) * mask
 
 
-def dense_group_ids(group: Tensor | None, batch: int, device: torch.device) -> Tensor:
-    """Map arbitrary integer group ids [B] to 0..n_groups-1 without a host synchronisation (all zeros if None)."""
-    if group is None:
-        return torch.zeros(batch, dtype=torch.long, device=device)
-    ids, order = torch.sort(group, stable=True)
-    new = torch.ones_like(ids, dtype=torch.long)
-    new[1:] = (ids[1:] != ids[:-1]).long()
-    dense = torch.empty_like(new)
-    dense[order] = new.cumsum(0) - 1
-    return dense
+def same_group(group: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """[B, B] 0/1 matrix of rows sharing a group id (None = one group: the whole batch). No host synchronisation."""
+    return None if group is None else (group[:, None] == group[None, :]).to(dtype)
 
 
-def _others_sum(x: Tensor, dense: Tensor) -> Tensor:
-    """sum over the other rows of the same group: group sum minus the row's own value (x is [B] or [B, T])."""
-    totals = torch.zeros_like(x).index_add_(0, dense, x)
-    return totals[dense] - x
+def _others_sum(x: Tensor, same: Tensor | None) -> Tensor:
+    """Sum over the other rows of the same group: group sum minus the row's own value (x is [B] or [B, T])."""
+    totals = x.sum(0, keepdim=True) if same is None else same @ x
+    return totals - x
 
 
 def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
@@ -100,10 +93,10 @@ def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
     return torch.where(den > 0, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
 
 
-def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, dense: Tensor) -> Tensor:
+def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
     """a_b = clamp(-sum_{others} k1 (r - 1) / sum_{others} (r - 1)^2, 0, 1) over the other rows of b's group."""
-    return _regression(_others_sum(-(k1 * cv * mask).sum(-1), dense), _others_sum((cv.square() * mask).sum(-1), dense),
-                       _others_sum(mask.sum(-1), dense))
+    return _regression(_others_sum(-(k1 * cv * mask).sum(-1), same), _others_sum((cv.square() * mask).sum(-1), same),
+                       _others_sum(mask.sum(-1), same))
 
 
 def causal_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
@@ -128,7 +121,7 @@ def conditional_returns(k1: Tensor, cv: Tensor, log_rho: Tensor) -> tuple[Tensor
 
 
 def leave_one_out_baseline(p: Tensor, q: Tensor, k1: Tensor, cv: Tensor, mask: Tensor, cv_coef: Tensor,
-                           dense: Tensor) -> Tensor:
+                           same: Tensor | None) -> Tensor:
     """b_{b,t} = lambda_b * m_{b,t}: the leave-one-out mean m_{b,t} of P_{b',t} + a_b Q_{b',t} over the other rows of
     b's group alive at t (0 where none is), shrunk toward 0 by a positive-part James-Stein factor pooled over positions,
 
@@ -139,19 +132,19 @@ def leave_one_out_baseline(p: Tensor, q: Tensor, k1: Tensor, cv: Tensor, mask: T
     A mean of few returns is noisy: subtracting it adds V / n to the variance and removes m^2, so lambda keeps it
     where it pays. Exact as a baseline: every quantity is a function of the other rows and a_b only.
     """
-    count = _others_sum(mask, dense)
+    count = _others_sum(mask, same)
     alive = count > 0
     per_count = count.clamp(min=1)
-    mean = (_others_sum(p * mask, dense) + cv_coef[:, None] * _others_sum(q * mask, dense)) / per_count
+    mean = (_others_sum(p * mask, same) + cv_coef[:, None] * _others_sum(q * mask, same)) / per_count
     mean = torch.where(alive, mean, torch.zeros_like(mean))
-    tokens = _others_sum(mask.sum(-1), dense).clamp(min=1)
-    pooled = {name: _others_sum((x * mask).sum(-1), dense) / tokens
+    tokens = _others_sum(mask.sum(-1), same).clamp(min=1)
+    pooled = {name: _others_sum((x * mask).sum(-1), same) / tokens
               for name, x in (("k1", k1), ("k1k1", k1 * k1), ("cv", cv), ("k1cv", k1 * cv), ("cvcv", cv * cv))}
     a = cv_coef
     var_k1 = pooled["k1k1"] - pooled["k1"].square()
     var_x = (pooled["k1k1"] + 2 * a * pooled["k1cv"] + a.square() * pooled["cvcv"]
              - (pooled["k1"] + a * pooled["cv"]).square())
-    after = _others_sum((reverse_cumsum(mask) - mask) * mask, dense) / per_count
+    after = _others_sum((reverse_cumsum(mask) - mask) * mask, same) / per_count
     noise = torch.where(alive, (var_k1[:, None] + after * var_x[:, None]) / per_count, torch.zeros_like(mean))
     signal = mean.square().sum(-1)
     shrink = torch.where(signal > 0, 1 - noise.sum(-1) / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
@@ -160,10 +153,10 @@ def leave_one_out_baseline(p: Tensor, q: Tensor, k1: Tensor, cv: Tensor, mask: T
 
 def batch_statistics(k1: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None) -> KLStatistics:
     """Leave-one-out a_b and b_{b,t} of every row from detached [B, T] terms (zero at padding, float mask)."""
-    dense = dense_group_ids(group, k1.shape[0], k1.device)
+    same = same_group(group, k1.dtype)
     cv = control_variate(k1, mask)
-    cv_coef = loo_cv_coef(k1, cv, mask, dense)
+    cv_coef = loo_cv_coef(k1, cv, mask, same)
     p, q = conditional_returns(k1, cv, log_rho)
-    alone = _others_sum(mask.sum(-1), dense) == 0
-    baseline = leave_one_out_baseline(p, q, k1, cv, mask, cv_coef, dense)
+    alone = _others_sum(mask.sum(-1), same) == 0
+    baseline = leave_one_out_baseline(p, q, k1, cv, mask, cv_coef, same)
     return KLStatistics(cv_coef=cv_coef, baseline=baseline, alone=alone)

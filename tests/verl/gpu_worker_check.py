@@ -89,8 +89,9 @@ def kl_history(policy_path: str, ref) -> list[dict]:
         metrics = ec.train(worker, partial(ec.losses.ppo_loss, config=ec.actor_config(f"kl_adapters:{args.preset}")),
                            old, ref, zero_adv)
         gap = float((ec.log_probs(worker) - ref)[mask].abs().mean())
-        history.append({"mean_abs_logp_gap": gap, **{k: metrics[k] for k in ("loss", "grad_norm", "kl_loss",
-                                                                              "kl_adapters/seq_kl") if k in metrics}})
+        logged = {k: float(torch.tensor(metrics[k], dtype=torch.float64).mean())  # verl logs a list per micro-batch
+                  for k in ("loss", "grad_norm", "kl_loss", "kl_adapters/seq_kl") if k in metrics}
+        history.append({"mean_abs_logp_gap": gap, **logged})
     return history
 
 

@@ -83,6 +83,8 @@ class Preset:
     coefficients: Callable[[Terms], Tensor]
     #: the weight reads Terms.statistics (leave-one-out over the batch's other rows: a batch estimator)
     uses_batch_statistics: bool = False
+    #: needs both models' full next-token distributions, not sampled-token log-probs (`full`, full_vocab.py)
+    needs_full_logits: bool = False
 
     @property
     def uses_importance_weights(self) -> bool:
@@ -282,16 +284,51 @@ _ALL = (
     ),
 )
 
+#: why the sampled-token paths (kl_term, kl_surrogate, kl_coefficients, the audit) refuse `full`
+FULL_REFUSAL = ("preset 'full' needs the full next-token distributions of both models (logits, or hidden states and the "
+                "output projection), which sampled-token log-probs do not carry: use kl_adapters.full_vocab."
+                "full_kl_surrogate / full_kl_surrogate_from_hidden, or an adapter that computes them (TRL GRPOTrainer)")
+
+
+def _needs_full_logits(t: Terms) -> Tensor:
+    raise ValueError(FULL_REFUSAL)
+
+
+#: The Rao-Blackwellized preset (full_vocab.py states its gradient; tests/core/test_full_vocab.py pins it). Looked up
+#: by `get_preset` (so KL_ADAPTERS=full and kl_preset="full" parse) but not in PRESETS, the sampled-token registry that
+#: kl_surrogate and the exact audit iterate: its weight is not a function of sampled-token log-probs.
+FULL = Preset(
+    name="full",
+    summary="Exact per-position KL over the vocabulary (Rao-Blackwellized) plus its future-KL score term with a "
+    "leave-one-out baseline: unbiased for the sequence-level reverse KL on- and off-policy; needs both models' full "
+    "logits (TRL adapter; full_kl_surrogate).",
+    gradient="sum_t w_{1:t-1} grad KL_t + sum_t grad log pi_t * (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t), "
+    "KL_t exact over the vocabulary",
+    importance_weights="per-decision prefix products, one ratio fewer than `sequence` (w_{1:t-1} on KL_t; exact)",
+    target_on_policy="kl_seq",
+    target_off_policy="kl_seq",
+    unbiased_on_policy=True,
+    unbiased_off_policy=True,
+    legacy=False,
+    theory_row="#10 on-policy, #20 off-policy, Rao-Blackwellized over y_t (issue 16)",
+    coefficients=_needs_full_logits,
+    uses_batch_statistics=True,
+    needs_full_logits=True,
+)
+
+#: the sampled-token presets (kl_surrogate computes them; the audit enumerates them); `full` is FULL, not in here
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
 #: presets a user should pick: unbiased for the sequence KL (on-policy at least)
 RECOMMENDED = ("sequence", "reward")
 
 
 def get_preset(name: str | Preset) -> Preset:
-    """Look a preset up by name; an unknown name raises ValueError listing the valid ones."""
+    """Look a preset up by name (PRESETS, or `full`: FULL); an unknown name raises ValueError listing the valid ones."""
     if isinstance(name, Preset):
         return name
+    if name == FULL.name:
+        return FULL
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown KL preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown KL preset {name!r}; valid presets: {', '.join([*PRESETS, FULL.name])}") from None

@@ -9,12 +9,21 @@
 #   4. scripts/gpu.sh run <fw> <out> with that Python: the exact device command. --no-index install of the wheelhouse,
 #      the framework and kl-adapters imported (environment report), `pytest -m gpu tests/<fw>` collected and every test
 #      skipped, bench/gpu_bench.py's smoke configuration; checks.py run <fw> <out> checks what it left
-# Usage: tests/device_image/prove.sh [trl] [verl] [openrlhf]      (needs python3.12, PYTHON312 to name another)
+# Usage: tests/device_image/prove.sh [trl] [verl] [openrlhf]      (needs Python 3.12: PYTHON312 to name one)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 HERE="$ROOT/tests/device_image"
 [ $# -gt 0 ] || set -- trl verl openrlhf
-PY312=${PYTHON312:-$(command -v python3.12)}
+
+python312() {  # PYTHON312, a working python3.12, or pyenv's 3.12 (its shim fails unless 3.12 is selected)
+  local p
+  for p in "${PYTHON312:-}" "$(command -v python3.12 || true)" "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    [ -n "$p" ] && "$p" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null && { echo "$p"; return; }
+  done
+  echo "no Python 3.12 found (set PYTHON312)" >&2
+  return 1
+}
+PY312=$(python312)
 key=$(cat "$ROOT/envs/device-image.txt" "$HERE/image_packages.txt" | sha256sum | cut -c1-12)
 VENV=${DEVICE_IMAGE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kl-adapters/device-image-$key}
 OUT=$(mktemp -d -t device-image-XXXX)

@@ -42,8 +42,8 @@ def gpu_model_dir(tmp_path_factory):
 
 def gpu_args(**overrides):
     """grpo_args overrides for a GPU run: no use_cpu, eager attention (deterministic backward), longer completions."""
-    return dict(use_cpu=False, max_completion_length=32, per_device_train_batch_size=8, num_generations=8,
-                learning_rate=3e-5, model_init_kwargs={"attn_implementation": "eager"}, **overrides)
+    return {"use_cpu": False, "max_completion_length": 32, "per_device_train_batch_size": 8, "num_generations": 8,
+            "learning_rate": 3e-5, "model_init_kwargs": {"attn_implementation": "eager"}, **overrides}
 
 
 def perturb_on_gpu(model, scale, seed):

@@ -45,6 +45,21 @@ it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t), 
 preset's on this batch; 0 means no difference) and ``kl_adapters/is_ess`` (effective sample size of the micro-batch's
 full-sequence importance weights, 1 on-policy, towards 1/B as they degenerate; averaged over the logging window).
 
+Preset ``full`` (kl_adapters.full_vocab: exact KL_t over the vocabulary, Rao-Blackwellized): the reference runs in
+the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL's "ref" adapter). With it set:
+  * generation skips TRL's reference log-prob pass (``beta`` is 0 for that call): ``full`` reads the reference's
+    distributions at loss time instead, so the reference runs once per micro-batch either way;
+  * the loss wrapper captures the policy backbone's last hidden state of TRL's own forward (a forward hook for that one
+    call, gradient attached), runs the reference backbone (no gradient) on the same tokens, and adds
+    ``full_kl_surrogate_from_hidden(h, W / temperature, h_ref, W_ref / temperature, completion_ids, mask,
+    beta=beta_seq, old_logp=behaviour_logp)`` (W the output projection): chunked over tokens, so [B, T, V] logits of
+    neither model are materialised. beta_seq and the behaviour log-probs are those of the other presets; the
+    baseline is leave-one-out over the micro-batch's rows (rollout-time statistics would need the exact KL_t of the
+    whole generation batch, i.e. the very reference pass this preset removes from generation).
+  * metrics: ``kl`` = token mean of the (importance-weighted) exact KL_t, ``kl_adapters/seq_kl`` its per-sequence sum.
+  Refused (clear error): kl_is_clip (the estimator applies exact weights), models whose logits are not
+  hidden @ W.T (bias, logit scale, soft-capping), multimodal inputs. Pinned by tests/trl/test_full.py.
+
 Releases (versions.TESTED["trl"]: 1.14.0, 1.14.1, 1.14.2, 1.15.0, 1.16.0). The code paths the adapter relies on are
 the same in all of them: ``_compute_loss`` (KL block, loss types and normalisers) is identical line for line,
 ``compute_loss``'s signature, the ``inputs`` keys, GRPOConfig's KL fields and defaults (beta 0.0,
@@ -78,6 +93,7 @@ from trl import GRPOConfig  # not a trigger module: importing it patches nothing
 from .. import activation, native
 from ..activation import Settings
 from .._validate import check_is_clip
+from ..full_vocab import full_kl_surrogate_from_hidden
 from ..presets import get_preset
 from ..reductions import KLStatistics
 from ..surrogate import KLTerm, kl_statistics, kl_term
@@ -102,7 +118,8 @@ class KLGRPOConfig(GRPOConfig):
     Parameters:
         kl_preset (`str` or `None`, *optional*, defaults to `None`):
             KL configuration that replaces TRL's KL term when `beta > 0`: `"sequence"` (unbiased gradient of the
-            sequence-level KL(pi || pi_ref), on- and off-policy), `"reward"` (unbiased on-policy), or any preset of
+            sequence-level KL(pi || pi_ref), on- and off-policy), `"reward"` (unbiased on-policy), `"full"` (exact KL
+            over the vocabulary, lowest variance; runs the reference at loss time), or any preset of
             `kl-adapters presets`. `None` defers to the `KL_ADAPTERS` environment variable; `"off"` disables.
         kl_is_clip (`float` or `None`, *optional*, defaults to `None`):
             Cap on the importance weights the preset applies off-policy (lower variance, biased). `None`: exact.
@@ -125,6 +142,8 @@ class KLGRPOConfig(GRPOConfig):
         if self.kl_is_clip is not None and settings is None:
             raise ValueError("kl_is_clip is set but kl_preset is not: it would be a silent no-op")
         if settings is not None:
+            if self.kl_is_clip is not None and get_preset(settings.preset).needs_full_logits:
+                raise ValueError("kl_is_clip does not apply to kl_preset='full': its importance weights are exact")
             if self.beta == 0.0:
                 raise ValueError(f"kl_preset={self.kl_preset!r} with beta=0.0 would be a silent no-op: TRL builds no "
                                  "reference model when beta == 0; set beta > 0")
@@ -205,7 +224,13 @@ ROLLOUT_STATISTICS_KEYS = {"cv_coef": "kl_adapters_cv_coef", "baseline": "kl_ada
 
 
 def _uses_statistics(settings: Settings | None) -> bool:
-    return settings is not None and get_preset(settings.preset).uses_batch_statistics
+    """A sampled-token preset with rollout statistics (`full` computes its own baseline at loss time)."""
+    spec = None if settings is None else get_preset(settings.preset)
+    return spec is not None and spec.uses_batch_statistics and not spec.needs_full_logits
+
+
+def _is_full(settings: Settings | None) -> bool:
+    return settings is not None and get_preset(settings.preset).needs_full_logits
 
 
 def _completion_mask(inputs: dict) -> torch.Tensor:
@@ -260,8 +285,15 @@ def statistics_of(inputs: dict) -> KLStatistics | None:
 def _generate_with_statistics(original, self, generation_batch):
     """GRPOTrainer._generate_and_score_completions, plus the rollout statistics in its output when a reduced preset is
     active (see module docstring); unchanged output otherwise."""
+    settings = settings_for(self)
+    if self.beta != 0.0 and _is_full(settings):
+        beta, self.beta = self.beta, 0.0  # TRL skips its reference pass: `full` runs the reference at loss time
+        try:
+            return original(self, generation_batch)
+        finally:
+            self.beta = beta
     batch = original(self, generation_batch)
-    if self.beta == 0.0 or not _uses_statistics(settings_for(self)):
+    if self.beta == 0.0 or not _uses_statistics(settings):
         return batch
     statistics = rollout_statistics(self, batch)
     if statistics is not None:
@@ -300,6 +332,69 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> Non
     metrics["kl_adapters/is_ess"].append(totals[6] / totals[7])  # mean over processes
 
 
+def _causal_lm(model: torch.nn.Module, trainer: GRPOTrainer) -> torch.nn.Module:
+    """The transformers causal LM inside an (accelerate-, PEFT-) wrapped model."""
+    model = trainer.accelerator.unwrap_model(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _output_projection(lm: torch.nn.Module, temperature: float) -> torch.Tensor:
+    """W / temperature such that TRL's next-token logits are hidden @ (W / temperature).T; refuses any other head."""
+    head, config = lm.get_output_embeddings(), lm.config.get_text_config()
+    scaled = [k for k in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                          "logits_scaling") if getattr(config, k, None) not in (None, 1.0)]
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
+        raise UnsupportedFrameworkError(
+            f"kl_preset='full' needs logits = hidden @ W.T; {type(lm).__name__}'s head is {type(head).__name__}"
+            f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}{f' scaled by {scaled}' if scaled else ''}")
+    return head.weight / temperature
+
+
+def _last_hidden(output) -> torch.Tensor:
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _reference_hidden(trainer: GRPOTrainer, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden state [B, L, H], W / temperature) of the reference on the batch, without gradient: TRL's
+    ref_model, else (PEFT) the base with adapters disabled or TRL's "ref" adapter, as TRL's own reference pass."""
+    from contextlib import nullcontext
+
+    from trl.trainer.utils import use_adapter
+
+    if trainer.ref_model is not None:
+        lm, context = _causal_lm(trainer.ref_model, trainer), nullcontext()
+    else:
+        peft_model = trainer.accelerator.unwrap_model(trainer.model)
+        lm = peft_model.get_base_model()
+        context = use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None)
+    with torch.no_grad(), context, trainer.accelerator.autocast():
+        hidden = _last_hidden(lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))
+        return hidden, _output_projection(lm, trainer.temperature).detach()
+
+
+def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Tensor, behaviour, beta_seq,
+             mask) -> torch.Tensor:
+    """beta_seq * full_kl_surrogate_from_hidden on this micro-batch (module docstring, preset `full`); logs metrics."""
+    if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
+        raise UnsupportedFrameworkError("kl_preset='full' supports text-only models (multimodal inputs are not tested)")
+    completion = inputs["completion_ids"]
+    horizon = completion.shape[1]
+    input_ids = torch.cat([inputs["prompt_ids"], completion], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    ref_hidden, ref_weight = _reference_hidden(trainer, input_ids, attention_mask)
+    weight = _output_projection(_causal_lm(model, trainer), trainer.temperature)
+    seq_kl = full_kl_surrogate_from_hidden(  # hidden state at position i predicts token i + 1
+        policy_hidden[:, -horizon - 1:-1], weight, ref_hidden[:, -horizon - 1:-1], ref_weight, completion, mask,
+        old_logp=behaviour)
+    totals = trainer.accelerator.reduce(torch.stack([
+        seq_kl.detach() * mask.shape[0], mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device)]).float(),
+        reduction="sum").tolist()
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    metrics["kl"].append(totals[0] / max(totals[1], 1.0))
+    metrics["kl_adapters/seq_kl"].append(totals[0] / max(totals[2], 1.0))
+    return beta_seq * seq_kl
+
+
 def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """GRPOTrainer.compute_loss with the KL term replaced by the active preset (see module docstring)."""
     settings = settings_for(self)
@@ -309,11 +404,24 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
             logger.warning("kl-adapters: KL preset %r is set but beta == 0, so there is no KL term to replace", str(settings))
         return original(self, model, inputs, return_outputs, num_items_in_batch)
     _check_code_path(self)
+    full = _is_full(settings)
     captured: list[torch.Tensor] = []
+    hidden: list[torch.Tensor] = []
     forward = self._get_per_token_logps_and_entropies
 
     def capture(*args, **kwargs):  # the first forward inside _compute_loss is the policy's, with gradient
-        out = forward(*args, **kwargs)
+        if captured or not full:
+            out = forward(*args, **kwargs)
+        else:  # `full` also keeps the backbone's last hidden state of this forward
+            policy = args[0] if args else kwargs["model"]
+            hook = _causal_lm(policy, self).base_model.register_forward_hook(
+                lambda module, inp, output: hidden.append(_last_hidden(output)))
+            try:
+                out = forward(*args, **kwargs)
+            finally:
+                hook.remove()
+            if len(hidden) != 1:
+                raise UnsupportedFrameworkError(f"kl_preset='full' expected one policy backbone call, saw {len(hidden)}")
         if not captured:
             captured.append(out[0])
         return out
@@ -327,9 +435,11 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
         del self._get_per_token_logps_and_entropies
     logp = captured[0]
     mask = _completion_mask(inputs)
-    ref = inputs["ref_per_token_logps"]
     behaviour = behaviour_logps(inputs, logp)
     beta_seq = beta * mask.shape[0] / per_token_normaliser(self, inputs, mask)
+    if full:
+        return loss + _full_kl(self, model, inputs, hidden[0], behaviour, beta_seq, mask).to(loss.dtype)
+    ref = inputs["ref_per_token_logps"]
     statistics = statistics_of(inputs) if _uses_statistics(settings) else None  # None: leave-one-out over the rows
     term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip,
                    statistics=statistics)

@@ -60,11 +60,11 @@ each micro-batch its rows' (tests/verl/test_loss_path.py::test_statistics_of_the
 micro_batch; through the FSDP2 engine: tests/verl/test_engine.py). ppo_loss called outside such an update uses its own
 batch's statistics. On the reward path the statistics are computed on the whole rollout batch within each uid group.
 
-Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` and ``reward-plain`` presets. verl's apply_kl_penalty runs with
-its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update unchanged), but the advantage
-estimator is given the KL-free scores; afterwards ``-beta * c_t`` (the preset's on-policy weight: ``sum_{s>=t} k1_s``
-for reward-plain, its variance-reduced form for reward; k1 from ``old_log_probs``, beta = kl_ctrl.value) is added to
-the advantages. The KL is therefore never divided by GRPO's group
+Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` and ``reward-plain`` presets. verl's
+apply_kl_penalty runs with its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update
+unchanged), but the advantage estimator is given the KL-free scores; afterwards ``-beta * c_t`` (the preset's
+on-policy weight: ``sum_{s>=t} k1_s`` for reward-plain, its variance-reduced form for reward; k1 from
+``old_log_probs``, beta = kl_ctrl.value) is added to the advantages. The KL is therefore never divided by GRPO's group
 std nor collapsed to a sequence sum, whatever ``adv_estimator`` is; beta keeps its meaning of a per-token reward
 coefficient on the raw reward scale (tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation).
 
@@ -501,10 +501,10 @@ def _is_ours(fn: object) -> bool:
 
 
 def patch(trigger: str) -> None:
-    """Wrap the functions of `SITES[trigger]` (idempotent). Refuses verl versions not in versions.TESTED, and
-    functions whose signature differs from the tested one of that release, with UnsupportedFrameworkError. Copies made by `from <trigger> import name`
-    in verl modules loaded before this call are rebound too (the import-site binding pitfall), except kl_penalty and
-    get_policy_loss_fn, which are wrapped only where ppo_loss looks them up."""
+    """Wrap the functions of `SITES[trigger]` (idempotent). Refuses verl versions not in versions.TESTED, and functions
+    whose signature differs from the tested one of that release, with UnsupportedFrameworkError. Copies made by
+    `from <trigger> import name` in verl modules loaded before this call are rebound too (the import-site binding
+    pitfall), except kl_penalty and get_policy_loss_fn, which are wrapped only where ppo_loss looks them up."""
     version = require_version("verl")
     for site in SITES[trigger]:
         module = sys.modules[site.module or trigger]
@@ -515,8 +515,8 @@ def patch(trigger: str) -> None:
         expected = site.expected_params(version)
         if params is None or params[: len(expected)] != expected:
             raise UnsupportedFrameworkError(
-                f"verl {version}: {module.__name__}.{site.name}{params or ''} is not the function kl-adapters was tested "
-                f"with ({supported_range('verl')}, parameters {expected})")
+                f"verl {version}: {module.__name__}.{site.name}{params or ''} is not the function kl-adapters was "
+                f"tested with ({supported_range('verl')}, parameters {expected})")
         wrapper = functools.wraps(original)(site.wrap(original))
         setattr(wrapper, _ORIGINAL, original)
         targets = _verl_modules() if site.everywhere else [module]

@@ -62,8 +62,9 @@ def probes(tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.xfail(strict=True, reason="activation.ADAPTERS['verl'] lacks the trigger 'verl.trainer.main_ppo_sync' (verl "
-                   "0.8.0's TransferQueue trainer; requested from the lead): verl 0.8.0 stays off versions.TESTED")
+@pytest.mark.xfail(strict=True, reason="activation.ADAPTERS['verl'] lacks the trigger "
+                   "'verl.trainer.main_ppo_sync' (verl 0.8.0's TransferQueue trainer; requested from the lead): "
+                   "verl 0.8.0 stays off versions.TESTED")
 def test_triggers_are_the_patched_modules():
     assert set(activation.ADAPTERS["verl"][1]) == set(verl_adapter.SITES)
 

@@ -35,7 +35,8 @@ def check(result: dict, steps: int) -> None:
         assert all(torch.isfinite(torch.tensor(v)).all() for v in step.values()), step
 
 
-@pytest.mark.skipif(importlib.metadata.version("verl") in ("0.8.0", "0.9.0") and not importlib.util.find_spec("flash_attn"),
+@pytest.mark.skipif(importlib.metadata.version("verl") in ("0.8.0", "0.9.0")
+                    and not importlib.util.find_spec("flash_attn"),
                     reason="verl < 0.9.1 unpads batches with flash_attn.bert_padding (CUDA only; 0.9.1 added a "
                     "pure-torch fallback), so its engine cannot run on CPU")
 def test_fsdp2_engine_on_cpu_matches_the_oracle():

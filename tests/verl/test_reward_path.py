@@ -41,7 +41,7 @@ def reward_batch(case: Case):
 
 SITES = {  # trainer module -> the advantage function its fit loop calls after apply_kl_penalty
     "v0": ("verl.trainer.ppo.ray_trainer", "compute_advantage"),
-    # verl 0.9.x: the v1 (TransferQueue) trainer; verl 0.8.0 has no v1 package, its TransferQueue trainer is main_ppo_sync
+    # verl 0.9.x: the v1 (TransferQueue) trainer; verl 0.8.0 has no v1 package: its TransferQueue trainer main_ppo_sync
     "v1": ("verl.trainer.ppo.v1.trainer_base" if importlib.util.find_spec("verl.trainer.ppo.v1")
            else "verl.trainer.main_ppo_sync", "compute_advantage_for_multi_trajectories"),
     "separation": ("verl.experimental.separation.ray_trainer", "compute_advantage"),

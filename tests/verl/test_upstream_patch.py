@@ -4,12 +4,12 @@ The patch must apply cleanly; the patched verl then runs in subprocesses with it
 plugins off (upstream_patch_probe.py), beside the unpatched release:
     flag off (verl's defaults)       ppo_loss (low_var_kl, k3+) losses and gradients, and the KL-in-reward path
                                      (apply_kl_penalty + advantages, v0 and v1) bit-identical to the release;
-    kl_loss_type="sequence"          ppo_loss gradient = task gradient + grad kl_surrogate("sequence", beta_seq,
+    kl_loss_type="sequence"          ppo_loss gradient = task gradient + grad kl_surrogate("sequence-plain", beta_seq,
                                      old_logp=old_log_probs) for every allowed loss_agg_mode, on- and off-policy,
                                      with verl's global normalisers (beta_seq = kl_loss_coef * B / D);
     algorithm.kl_in_advantage=True   advantages = estimator(scores) - beta * KL reward-to-go (grpo, rloo,
                                      reinforce_plus_plus; v1 multi-trajectory grpo), whose PG gradient on-policy is
-                                     grad kl_surrogate("reward");
+                                     grad kl_surrogate("reward-plain");
     kl_penalty_sequence              = kl_surrogate on random ragged batches; exact expected gradient over every
                                      sequence of tabular policies (kl_adapters.audit) = grad KL_seq on- and off-policy
                                      (the reward path: on-policy, where it is unbiased);

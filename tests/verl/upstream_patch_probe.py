@@ -9,9 +9,9 @@ loss and parameter gradient; the KL-in-reward path (apply_kl_penalty, then compu
 v1's compute_advantage_for_multi_trajectories) with its metrics and tensors.
 Patched tree only:
     "loss_error"     kl_loss_type="sequence": |g_flag - g_task - g_kl| / |g_kl|, g_kl the gradient of
-                     kl_surrogate("sequence", beta=per_sequence_beta(kl_loss_coef, mask, loss_agg_mode), old_logp)
+                     kl_surrogate("sequence-plain", beta=per_sequence_beta(kl_loss_coef, mask, loss_agg_mode), old_logp)
     "reward_error"   algorithm.kl_in_advantage: max |A - (A_scores - beta * sum_{s>=t} k1_s)| and, through verl's PG
-                     loss on-policy, |g_flag - g_task - g_reward| / |g_reward| with kl_surrogate("reward")
+                     loss on-policy, |g_flag - g_task - g_reward| / |g_reward| with kl_surrogate("reward-plain")
     "random_error"   kl_penalty_sequence vs kl_surrogate on random ragged batches (float64)
     "exact_error"    exact expected gradient over every sequence of tabular policies vs grad KL_seq: kl_penalty_sequence
                      on- and off-policy; the reward path (apply_kl_penalty + compute_advantage) on-policy
@@ -92,7 +92,7 @@ def loss_path_errors() -> dict:
         for mode, info, beta in runs:
             flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type="sequence", loss_agg_mode=mode), **info)
             task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False, loss_agg_mode=mode), **info)
-            kl = case.surrogate_grad(preset="sequence", beta=beta)
+            kl = case.surrogate_grad(preset="sequence-plain", beta=beta)
             key = f"{regime}/{mode}" + ("/dp2" if info else "")
             errors[key] = float((flagged - task - kl).norm() / kl.norm())
     return errors
@@ -115,7 +115,8 @@ def reward_path_errors() -> dict:
     config = actor_config(use_kl_loss=False)
     flagged, _, _ = case.ppo_grad(config, advantages=ours.batch["advantages"])
     task, _, _ = case.ppo_grad(config, advantages=scores_only.batch["advantages"])
-    kl = case.surrogate_grad(preset="reward", beta=per_sequence_beta(BETA, case.tokens["response_mask"], "token-mean"))
+    beta = per_sequence_beta(BETA, case.tokens["response_mask"], "token-mean")
+    kl = case.surrogate_grad(preset="reward-plain", beta=beta)
     errors["pg_gradient/v0/grpo"] = float((flagged - task - kl).norm() / kl.norm())
     return errors
 

@@ -180,6 +180,23 @@ def run_tests(rel: Release, tree: Path, python: str = sys.executable) -> subproc
     return run_in_tree(tree, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *rel.tests], python=python)
 
 
+def pytest_outcomes(cmd: list[str], report: Path, *, cwd: Path, env: dict[str, str], timeout: int) -> dict[str, str]:
+    """Run `cmd` (a pytest command that writes its JUnit XML to `report`) and return {test id: passed|failed|error|
+    skipped}, the outcome of every test it ran (the frameworks' own tests, run by tests/<fw>/upstream_selftests.py)."""
+    import xml.etree.ElementTree as ET
+
+    subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if not report.exists():
+        raise RuntimeError(f"pytest wrote no report: {' '.join(cmd)}")
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = (
+            "error" if "error" in kinds else "failed" if "failure" in kinds else "skipped" if "skipped" in kinds
+            else "passed")
+    return outcomes
+
+
 def probe_both_trees(rel: Release, trees: tuple[Path, Path], probe: Path, out: Path, args: list[str],
                      path: tuple[str, ...] = ()) -> dict:
     """Run `probe <tree> *args <result file> <mode>` in the pristine and the patched tree, and the patch's own unit

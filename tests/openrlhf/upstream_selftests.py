@@ -33,7 +33,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -88,14 +87,7 @@ def run(python: str, root: Path, files: list[str], mode: str) -> dict[str, str]:
     report = root / f"{mode.replace(' ', '_')}.xml"
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[a for p in plugins for a in ("-p", p)],
            f"--junitxml={report}", *files]
-    subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
-    if not report.exists():
-        raise RuntimeError(f"pytest wrote no report in mode {mode!r}: {' '.join(cmd)}")
-    outcomes = {}
-    for case in ET.parse(report).iter("testcase"):
-        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = {"failure": "failed"}.get(kind, kind)
-    return outcomes
+    return release.pytest_outcomes(cmd, report, cwd=root, env=env, timeout=1800)
 
 
 def main(argv: list[str] | None = None) -> int:

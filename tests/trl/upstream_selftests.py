@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -78,14 +77,7 @@ def run(python: str, root: Path, files: list[str], mode: str) -> dict[str, str]:
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *files]
     if plugin:
         cmd[3:3] = ["-p", plugin]
-    subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
-    if not report.exists():
-        raise RuntimeError(f"pytest wrote no report in mode {mode!r}: {' '.join(cmd)}")
-    outcomes = {}
-    for case in ET.parse(report).iter("testcase"):
-        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = {"failure": "failed"}.get(kind, kind)
-    return outcomes
+    return release.pytest_outcomes(cmd, report, cwd=root, env=env, timeout=3600)
 
 
 def main(argv: list[str] | None = None) -> int:

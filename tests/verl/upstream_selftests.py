@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "patches"))
@@ -71,17 +70,8 @@ def select_tests(tree: Path) -> list[str]:
 def run_mode(python: str, tree: Path, tests: list[str], mode: str, out: Path) -> dict[str, str]:
     """pytest the tests in one mode; test id -> outcome (from pytest's JUnit XML)."""
     xml = out / f"{mode.replace(' ', '_')}.xml"
-    subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests],
-                   env=_env(mode), cwd=tree, capture_output=True, text=True, timeout=1800)
-    if not xml.exists():
-        raise RuntimeError(f"pytest wrote no report in mode {mode!r}")
-    outcomes = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        outcome = ("error" if "error" in kinds else "failed" if "failure" in kinds
-                   else "skipped" if "skipped" in kinds else "passed")
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = outcome
-    return outcomes
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests]
+    return release.pytest_outcomes(cmd, xml, cwd=tree, env=_env(mode), timeout=1800)
 
 
 def main(argv: list[str] | None = None) -> int:

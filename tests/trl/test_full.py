@@ -110,3 +110,27 @@ def test_refusals(model_dir, dataset):
         kl_surrogate(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), preset="full")
     with pytest.raises(ValueError, match="kl_is_clip"):
         make_trainer(model_dir, dataset, kl_preset="full", kl_is_clip=2.0)
+
+
+def test_expected_gradient_is_grad_kl_seq_by_enumeration():
+    """Every pair of completions of the demo's toy policy (horizon 2: 7 sequences) through TRL's real compute_loss with
+    kl_preset="full" (the reference at loss time from the trainer's ref_model): E[g] = grad KL(pi || pi_ref) to
+    float32 rounding (kl_adapters/demo/gradient_check.py states the enumeration)."""
+    from kl_adapters.demo import gradient_check, trl_runner
+    from kl_adapters.demo.problem import ToyProblem, completion_logprobs, enumerated_input_ids
+
+    problem = ToyProblem(horizon=2)
+    model, losses, scale = trl_runner.check_losses(problem, ["sequence"])
+    trainer = losses["sequence"][0]().trainer
+
+    def full_loss():
+        loss = trl_runner.CheckLoss(trainer, "sequence")
+        loss.overrides = {"kl_preset": "full"}
+        return loss
+
+    with torch.no_grad():
+        ref = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
+    rows = gradient_check.check(problem, model, ref, {"full": (full_loss, gradient_check.batch_rows("full"))}, scale)
+    assert [r.batch_rows for r in rows] == [2, 2]
+    for row in rows:
+        assert row.relative_bias < 1e-4 and row.cosine > 1 - 1e-6, row

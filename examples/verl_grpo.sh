@@ -16,7 +16,10 @@ DATA=${DATA:-$HOME/data/gsm8k}
 PRESET=${PRESET:-sequence}
 KL_PATH=${KL_PATH:-loss}
 
-# The only lines kl-adapters adds to a verl run.
+# The only lines kl-adapters adds to a verl run. The KL reward is exact on-policy only (later mini-batches of a
+# rollout see it through PPO's per-token ratio), so the reward path takes one update per rollout (mini-batch = the
+# whole batch); the `sequence` loss is exact off-policy too and keeps 4 mini-batches per rollout.
+MINI_BATCH=64
 case "$KL_PATH" in
   loss) KL_OVERRIDES=(
           actor_rollout_ref.actor.use_kl_loss=True
@@ -27,7 +30,8 @@ case "$KL_PATH" in
           actor_rollout_ref.actor.use_kl_loss=False
           algorithm.use_kl_in_reward=True
           algorithm.kl_ctrl.kl_coef=0.001
-          algorithm.kl_penalty=kl_adapters:reward) ;;
+          algorithm.kl_penalty=kl_adapters:reward)
+          MINI_BATCH=256 ;;
   *) echo "KL_PATH must be loss or reward, got $KL_PATH" >&2; exit 2 ;;
 esac
 # Equivalent without renaming the estimator (keeps kl_loss_type / kl_penalty as they are, selects the preset for
@@ -43,7 +47,7 @@ OVERRIDES=(
   data.max_response_length=1024
   "actor_rollout_ref.model.path=$MODEL"
   actor_rollout_ref.actor.optim.lr=1e-6
-  actor_rollout_ref.actor.ppo_mini_batch_size=64
+  "actor_rollout_ref.actor.ppo_mini_batch_size=$MINI_BATCH"
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
   actor_rollout_ref.actor.loss_agg_mode=token-mean
   actor_rollout_ref.rollout.name=vllm

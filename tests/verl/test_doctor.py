@@ -135,7 +135,7 @@ def test_project_example_script():
     assert loss.unresolved == ["$@ (the script's own arguments, dropped)", "UNRESOLVED_PRESET"]
     reward = diagnose("verl", [str(ROOT / "examples" / "verl_grpo.sh")], env={"KL_PATH": "reward"})
     assert [p.native.preset for p in reward.paths] == ["reward"]
-    assert reward.regimes == ("on-policy", "off-policy") and reward.verdict == "biased"  # 256 / 64: 4 mini-batches
+    assert reward.regimes == ("on-policy",) and reward.verdict == "unbiased"  # one update per rollout (256 / 256)
 
 
 @pytest.mark.parametrize("script, preset, verdict", [

@@ -72,14 +72,22 @@ def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
     return torch.expm1(-k1) * mask
 
 
-def same_group(group: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """[B, B] 0/1 matrix of rows sharing a group id (None = one group: the whole batch). No host synchronisation."""
-    return None if group is None else (group[:, None] == group[None, :]).to(dtype)
+def same_group(group: Tensor | None) -> Tensor | None:
+    """Group ids as 0..n_groups-1 without a host synchronisation (None = one group: the whole batch)."""
+    if group is None:
+        return None
+    ids, order = torch.sort(group, stable=True)
+    new = torch.ones_like(ids, dtype=torch.long)
+    new[1:] = (ids[1:] != ids[:-1]).long()
+    dense = torch.empty_like(new)
+    dense[order] = new.cumsum(0) - 1
+    return dense
 
 
 def _others_sum(x: Tensor, same: Tensor | None) -> Tensor:
-    """Sum over the other rows of the same group: group sum minus the row's own value (x is [B] or [B, T])."""
-    totals = x.sum(0, keepdim=True) if same is None else same @ x
+    """Sum over the other rows of the same group: group sum minus the row's own value (x is [B] or [B, T]).
+    One group: column sums; several: sums per dense group id (memory O(B T), no [B, B] matrix)."""
+    totals = x.sum(0, keepdim=True) if same is None else torch.zeros_like(x).index_add_(0, same, x)[same]
     return totals - x
 
 
@@ -153,7 +161,7 @@ def leave_one_out_baseline(p: Tensor, q: Tensor, k1: Tensor, cv: Tensor, mask: T
 
 def batch_statistics(k1: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None) -> KLStatistics:
     """Leave-one-out a_b and b_{b,t} of every row from detached [B, T] terms (zero at padding, float mask)."""
-    same = same_group(group, k1.dtype)
+    same = same_group(group)
     cv = control_variate(k1, mask)
     cv_coef = loo_cv_coef(k1, cv, mask, same)
     p, q = conditional_returns(k1, cv, log_rho)

@@ -81,7 +81,7 @@ def test_per_sequence_beta_conventions():
     assert per_sequence_beta(0.1, m, "token-mean") == 0.1 * 2 / 4  # exact: a Python float, not a float32 tensor
     assert per_sequence_beta(0.1, m, "token-mean", num_tokens=8) == 0.1 * 2 / 8
     from_tensor = per_sequence_beta(0.1, m, "token-mean", num_tokens=torch.tensor(7))  # e.g. a global token count
-    assert from_tensor.dtype == torch.float64 and float(from_tensor) == 0.1 * 2 / 7
+    assert from_tensor.dtype == torch.float64 and float(from_tensor) == pytest.approx(0.1 * 2 / 7, rel=1e-15)
     assert per_sequence_beta(0.1, m, "seq-mean-token-sum") == 0.1
     assert per_sequence_beta(0.1, m, "token-sum") == pytest.approx(0.2)
     assert per_sequence_beta(0.1, m, "seq-mean-token-sum-norm", max_length=4) == pytest.approx(0.025)

@@ -17,6 +17,7 @@ from kl_adapters.adapters import _guard, verl_plugin
 from kl_adapters.adapters import verl as verl_adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
 from kl_adapters.adapters.versions import supported_range
+from verl_cases import LOADS_ENTRY_POINTS
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -62,9 +63,6 @@ def probes(tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.xfail(strict=True, reason="activation.ADAPTERS['verl'] lacks the trigger "
-                   "'verl.trainer.main_ppo_sync' (verl 0.8.0's TransferQueue trainer; requested from the lead): "
-                   "verl 0.8.0 stays off versions.TESTED")
 def test_triggers_are_the_patched_modules():
     assert set(activation.ADAPTERS["verl"][1]) == set(verl_adapter.SITES)
 
@@ -76,8 +74,10 @@ def test_entry_point_is_registered_for_verl():
 
 def test_entry_point_patches_inertly(probes):
     """No flag: every process importing verl is patched by the entry point, nothing is active (bit-identity of the
-    inert wrappers: test_loss_path / test_reward_path ::test_flag_off_is_bit_identical_to_upstream)."""
-    assert probes["entry_point"]["start"] == {"kl_penalty": True, "engine_ppo_loss": True, "active": "None"}
+    inert wrappers: test_loss_path / test_reward_path ::test_flag_off_is_bit_identical_to_upstream). verl 0.8.0 loads
+    no entry points: nothing is patched there."""
+    assert probes["entry_point"]["start"] == {"kl_penalty": LOADS_ENTRY_POINTS, "engine_ppo_loss": LOADS_ENTRY_POINTS,
+                                              "active": "None"}
 
 
 def test_external_lib_import_patches_late_and_rebinds_name_imports(probes):

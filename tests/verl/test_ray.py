@@ -29,9 +29,12 @@ def test_ray_workers_run_the_patched_loss(monkeypatch):
         # actor-level env_vars, as verl's RayWorkerGroup gives each worker; Ray merges them with the job's
         by_env = worker.options(runtime_env={"env_vars": {"WG_RANK": "0"}}).remote()
         # a worker where the environment route is off: only the config's kl_adapters: name selects the preset
+        # (verl 0.8.0 loads no entry points: the name needs model.external_lib there)
         by_name = worker.options(runtime_env={"env_vars": {activation.ENV_VAR: "off"}}).remote()
-        env_result, name_result = ray.get([by_env.run.remote("low_var_kl", "sequence"),
-                                           by_name.run.remote("kl_adapters:reward", "reward")], timeout=300)
+        env_result, name_result = ray.get([
+            by_env.run.remote("low_var_kl", "sequence"),
+            by_name.run.remote("kl_adapters:reward", "reward", external_lib=not verl_cases.LOADS_ENTRY_POINTS)],
+            timeout=300)
     finally:
         ray.shutdown()
     assert env_result["active"] == "sequence" and name_result["active"] == "None"

@@ -8,11 +8,15 @@ prompt + response), so `ppo_loss` runs its own `no_padding_2_padding` on them.
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 
 import torch
 import torch.nn.functional as F
 
 VOCAB, B, P, R = 64, 8, 4, 6
+#: verl/__init__ loads the ``verl.plugins`` entry points from 0.9.0 on; in verl 0.8.0 only KL_ADAPTERS or
+#: ``actor_rollout_ref.model.external_lib=kl_adapters.adapters.verl_plugin`` bring the adapter into a process
+LOADS_ENTRY_POINTS = importlib.metadata.version("verl") != "0.8.0"
 
 
 def tiny_llama(seed: int = 0):
@@ -134,9 +138,12 @@ class LossWorker:
     """Body of a Ray actor (tests/verl/test_ray.py): in a fresh worker process, run verl's ppo_loss with the given
     kl_loss_type and report what was active there and how far the KL part of the gradient is from kl_surrogate."""
 
-    def run(self, kl_loss_type: str, preset: str, coef: float = 0.3) -> dict:
+    def run(self, kl_loss_type: str, preset: str, coef: float = 0.3, *, external_lib: bool = False) -> dict:
+        """external_lib: first import the plugin, as verl's workers do for ``model.external_lib``."""
         import os
 
+        if external_lib:
+            import kl_adapters.adapters.verl_plugin  # noqa: F401
         from verl.workers.utils import losses
 
         from kl_adapters import activation, per_sequence_beta

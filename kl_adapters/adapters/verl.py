@@ -8,8 +8,10 @@ mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trai
 whose compute_advantage_for_multi_trajectories is wrapped like v1's; and verl/__init__ does not load ``verl.plugins``
 entry points yet (0.9.0 added that), so there only KL_ADAPTERS or ``actor_rollout_ref.model.external_lib=
 kl_adapters.adapters.verl_plugin`` bring the adapter into the workers (a ``kl_adapters:`` name alone reaches verl's
-own kl_penalty, which raises NotImplementedError). 0.8.0 stays off the tested list until main_ppo_sync is one of
-activation.ADAPTERS' triggers (else its GRPO advantages would overwrite the KL reward-to-go unpatched).
+own kl_penalty, which raises NotImplementedError). main_ppo_sync is one of activation.ADAPTERS' triggers, but 0.8.0
+stays off the tested list: its usual launch, ``python -m verl.trainer.main_ppo_sync``, runs that module as __main__
+(never imported under its name, so never patched, in the driver or in the TaskRunner Ray ships from it), and its
+unpatched compute_advantage_for_multi_trajectories would then overwrite the KL reward-to-go of GRPO's reward path.
 
 Flag, verl's idiom (the estimator-name fields verl already has; Hydra accepts the new names as plain strings):
     actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>   actor KL loss (with actor.use_kl_loss=True)

@@ -70,7 +70,7 @@ def full_statistics(kl: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | N
     zero_coef = torch.zeros(kl.shape[0], dtype=kl.dtype, device=kl.device)
     none = torch.zeros_like(kl)
     baseline = leave_one_out_baseline(p=p, q=none, k1=_next(kl * m), cv=none, mask=m, cv_coef=zero_coef,
-                                      same=same_group(group, kl.dtype))
+                                      same=same_group(group))
     return KLStatistics(cv_coef=zero_coef, baseline=baseline)
 
 

@@ -10,9 +10,10 @@ medians against the native path:
               forward + backward: native = both models' logits materialised, log_softmax, the sampled tokens'
               log-probs, kl_surrogate("sequence"); full = full_kl_surrogate_from_hidden (chunked, no [B, T, V]).
 Peak memory: each configuration in its own process, one warm-up call then one measured call (CPU: the highest
-resident set size, /proc/self/statm polled every millisecond by a thread, minus the size before the call -- large
-tensors are mmap-backed and returned when freed; CUDA: torch.cuda.max_memory_allocated minus the allocated size).
-Usage: .venvs/trl/bin/python bench/full_cost.py [--vocab 32000] [--completion 128] [--kl-tokens 8 128]
+resident set size, /proc/self/statm polled every millisecond by a thread, minus the size before the call; glibc's
+mmap threshold is fixed at 64 KiB in that process, so that tensors are mmap-backed and returned to the system when
+freed; CUDA: torch.cuda.max_memory_allocated minus the allocated size).
+Usage: .venvs/trl/bin/python bench/full_cost.py [--vocab 32000] [--completion 128] [--kl-tokens 8 128] [--kl-chunk 1024]
        [--repeats 8] [--device cpu|cuda]
 """
 
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from timing import alternating, compare, write_result  # noqa: E402
+
+from kl_adapters.full_vocab import CHUNK_SIZE  # noqa: E402
 
 NATIVE, SEQUENCE, FULL = "native", "sequence", "full"
 
@@ -64,13 +67,13 @@ def build_trainer(model_dir: str, preset: str, completion: int, device: str):
     batches = iter(trainer.get_train_dataloader())
 
     def step():
-        trainer.model.zero_grad(set_to_none=True)
         trainer.training_step(trainer.model, next(batches), None)
+        trainer.model.zero_grad(set_to_none=True)  # after: a call's memory includes the gradients it makes
 
     return step
 
 
-def kl_term_fn(config: str, batch: int, horizon: int, vocab: int, hidden: int, device: str):
+def kl_term_fn(config: str, batch: int, horizon: int, vocab: int, hidden: int, device: str, chunk_size: int):
     from kl_adapters import kl_surrogate
     from kl_adapters.full_vocab import full_kl_surrogate_from_hidden
 
@@ -89,11 +92,11 @@ def kl_term_fn(config: str, batch: int, horizon: int, vocab: int, hidden: int, d
         kl_surrogate(logp, ref, mask, preset="sequence").backward()
 
     def full():
-        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask).backward()
+        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, chunk_size=chunk_size).backward()
 
     def run():
-        h.grad = w.grad = None
         (full if config == FULL else native)()
+        h.grad = w.grad = None  # after: a call's memory includes the gradients it makes
 
     return run
 
@@ -101,7 +104,7 @@ def kl_term_fn(config: str, batch: int, horizon: int, vocab: int, hidden: int, d
 def make(kind: str, config: str, a: argparse.Namespace, model_dir: str | None):
     if kind == "train_step":
         return build_trainer(model_dir, config, a.completion, a.device)
-    return kl_term_fn(config, *a.kl_tokens, a.vocab, a.kl_hidden, a.device)
+    return kl_term_fn(config, *a.kl_tokens, a.vocab, a.kl_hidden, a.device, a.kl_chunk)
 
 
 def peak_of_one_call(fn, device: str) -> float:
@@ -151,6 +154,7 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=128, help="max_completion_length (train_step)")
     parser.add_argument("--kl-tokens", type=int, nargs=2, default=[8, 128], metavar=("B", "T"))
     parser.add_argument("--kl-hidden", type=int, default=256)
+    parser.add_argument("--kl-chunk", type=int, default=CHUNK_SIZE, help="chunk_size of full (kl_term)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", choices=["train_step", "kl_term"], help="run one measurement")
@@ -181,15 +185,18 @@ def main() -> None:
         peaks = {}
         for c in configs:
             out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--memory-of", kind, c,
-                                  "--model-dir", model_dir], check=True, capture_output=True, text=True).stdout
+                                  "--model-dir", model_dir], check=True, capture_output=True, text=True,
+                                 env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}).stdout
             peaks[c] = json.loads(out.strip().splitlines()[-1])["peak_bytes"]
         entry["peak_bytes"] = peaks
         entry["peak_ratio"] = {c: peaks[c] / peaks[NATIVE] for c in configs if c != NATIVE and peaks[NATIVE] > 0}
         result[kind] = entry
     result["train_step_setup"] = {"model": f"tiny Llama, hidden {a.hidden}, 2 layers, vocab {a.vocab}",
                                   "batch": f"8 sequences x {a.completion} completion tokens", "beta": 0.04}
-    result["kl_term_setup"] = {"shape": f"{a.kl_tokens[0]} x {a.kl_tokens[1]} x {a.vocab}", "hidden": a.kl_hidden}
-    path = write_result(f"full_cost_{a.device}", result)
+    result["kl_term_setup"] = {"shape": f"{a.kl_tokens[0]} x {a.kl_tokens[1]} x {a.vocab}", "hidden": a.kl_hidden,
+                               "chunk_size": a.kl_chunk}
+    suffix = (f"_{a.only}" if a.only else "") + (f"_chunk{a.kl_chunk}" if a.kl_chunk != CHUNK_SIZE else "")
+    path = write_result(f"full_cost_{a.device}{suffix}", result)
     print(path.read_text())
 
 

@@ -28,7 +28,7 @@ from timing import RESULTS, write_result  # noqa: E402
 from kl_adapters import kl_surrogate  # noqa: E402
 from kl_adapters.audit import sequence_space, token_logps  # noqa: E402
 
-CONFIGS = ("sequence", "reward", "token", "k3-loss", "k1-loss", "k3-reward", "beta=0")
+CONFIGS = ("sequence", "reward", "sequence-plain", "token", "k3-loss", "k1-loss", "k3-reward", "beta=0")
 
 
 def run(config: str, seed: int, a: argparse.Namespace) -> dict[str, list[float]]:
@@ -85,9 +85,9 @@ def main() -> None:
         final = [sum(r["kl_opt"][-tail:]) / tail for r in rs]
         summary[c] = {"kl_opt_final_mean": sum(final) / len(final), "kl_opt_final_per_seed": final,
                       "kl_ref_final_mean": sum(r["kl_ref"][-1] for r in rs) / len(rs)}
-    print(f"{'config':<10} KL(pi||pi*) over the last {tail} steps, per seed")
+    print(f"{'config':<15} KL(pi||pi*) over the last {tail} steps, per seed")
     for c, s in summary.items():
-        print(f"{c:<10} mean {s['kl_opt_final_mean']:.4f}  seeds " + " ".join(f"{v:.4f}" for v in s["kl_opt_final_per_seed"]))
+        print(f"{c:<15} mean {s['kl_opt_final_mean']:.4f}  seeds " + " ".join(f"{v:.4f}" for v in s["kl_opt_final_per_seed"]))
     write_result("tabular_toys", {"settings": vars(a), "summary": summary,
                                   "curves": {c: [r["kl_opt"] for r in rs] for c, rs in runs.items()}})
     plot(runs, a)

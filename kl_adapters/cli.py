@@ -27,14 +27,15 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from .presets import PRESETS
+    from .presets import FULL, PRESETS
 
+    listed = {**PRESETS, FULL.name: FULL}  # `full` too, though kl_surrogate (sampled tokens) cannot compute it
     if args.json:
-        json.dump({n: {k: v for k, v in p.__dict__.items() if k != "coefficients"} for n, p in PRESETS.items()},
+        json.dump({n: {k: v for k, v in p.__dict__.items() if k != "coefficients"} for n, p in listed.items()},
                   sys.stdout, indent=2)
         print()
         return 0
-    for p in PRESETS.values():
+    for p in listed.values():
         unbiased = ", ".join(w for w, ok in (("on-policy", p.unbiased_on_policy), ("off-policy", p.unbiased_off_policy))
                              if ok) or "no"
         print(f"{p.name:<15} {p.summary}\n{'':<15} gradient: {p.gradient}\n{'':<15} importance weights: "

@@ -133,6 +133,11 @@ def check_args(args: Any, settings: Settings) -> None:
     KL_ADAPTERS_ALLOW_UNTESTED=1, which warns instead).
     """
     kl, flag = args.algo.kl, f"{FLAG} {settings}"
+    if get_preset(settings.preset).needs_full_logits:
+        raise ValueError(f"{flag} needs the full next-token distributions of the policy and the reference in the "
+                         "actor's loss; OpenRLHF's reference model runs as a separate Ray actor that returns only the "
+                         "sampled tokens' log-probs (base_action_log_probs), so kl-adapters cannot compute it in "
+                         "OpenRLHF. Use --algo.kl.preset sequence, or TRL's GRPOTrainer with kl_preset='full'.")
     # --algo.kl.unbiased_gradient arrived in 0.11.1 (PR #1309); 0.10.4 / 0.11.0 args have no such attribute
     if getattr(kl, "unbiased_gradient", False):
         raise ValueError(f"{flag} and --algo.kl.unbiased_gradient both choose the KL gradient; drop one (preset "

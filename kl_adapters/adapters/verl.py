@@ -115,6 +115,11 @@ _ROW = "kl_adapters_row"
 _FULL = ("verl's kl estimator 'full' (analytic KL) raises NotImplementedError in verl 0.9.1, and kl-adapters does not "
          "offer it (ppo_loss never receives the full-vocabulary logits). Use kl_adapters:sequence, the exact "
          "sequence-level estimator, or one of verl's sampled estimators.")
+_FULL_PRESET = ("kl_adapters:full needs the full next-token distributions of the policy and the reference in the loss; "
+                "verl's actor receives only the reference's sampled-token log-probs (ref_log_prob from the ref worker) "
+                "and ppo_loss never sees full-vocabulary logits, so kl-adapters cannot compute it in verl. Use "
+                "kl_adapters:sequence (the exact sequence-level gradient from sampled tokens), or TRL's GRPOTrainer "
+                "with kl_preset='full'.")
 _LENGTH_NORMALISED = ("loss_agg_mode=seq-mean-token-mean divides each sequence's KL by its own length: that optimizes "
                       "a length-normalized KL, not the sequence KL. Use token-mean, seq-mean-token-sum or "
                       "seq-mean-token-sum-norm with kl-adapters.")
@@ -138,6 +143,8 @@ def flag_settings(name: str, default: Settings | None) -> Settings | None:
 
 def check_loss_settings(settings: Settings, loss_agg_mode: str) -> None:
     """Refuse loss-path settings whose gradient would not be the documented one."""
+    if get_preset(settings.preset).needs_full_logits:
+        raise ValueError(_FULL_PRESET)
     if loss_agg_mode == "seq-mean-token-mean":
         raise ValueError(_LENGTH_NORMALISED)
     if settings.is_clip is not None and not get_preset(settings.preset).uses_importance_weights:

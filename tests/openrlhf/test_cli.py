@@ -66,6 +66,7 @@ def test_unknown_preset_names_the_valid_ones(actor_dir, capsys):
     pytest.param(["--algo.kl.unbiased_gradient"], "sequence", "both choose the KL gradient",
                  marks=pytest.mark.skipif(not HAS_UNBIASED_GRADIENT, reason="the flag arrived in OpenRLHF 0.11.1")),
     (["--algo.kl.init_coef", "0"], "sequence", "silent no-op"),
+    (["--algo.kl.use_loss"], "full", "needs the full next-token distributions"),
 ])
 def test_loss_path_conflicts(actor_dir, extra, preset, message):
     with pytest.raises(ValueError, match=message):

@@ -52,9 +52,11 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip, statistics=stats)
 
 
-def _statistics_of(t: Terms, group: Tensor | None) -> KLStatistics:
-    """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it)."""
-    return batch_statistics(t.k1, t.log_rho, t.mask, group)
+def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -> KLStatistics:
+    """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it), from
+    importance-weighted returns unless the preset's own return is unweighted (`Preset.weighted_returns`)."""
+    log_rho = t.log_rho if spec is None or spec.weighted_returns else torch.zeros_like(t.log_rho)
+    return batch_statistics(t.k1, log_rho, t.mask, group)
 
 
 def _is_ess(t: Terms) -> Tensor:
@@ -95,7 +97,7 @@ class KLTerm:
         spec = get_preset(preset)
         terms = self.terms
         if spec.uses_batch_statistics and terms.statistics is None:
-            terms = replace(terms, statistics=_statistics_of(terms, None))
+            terms = replace(terms, statistics=_statistics_of(terms, None, spec))
         terms = replace(terms, is_clip=None, log_rho=torch.zeros_like(terms.log_rho) if on_policy else terms.log_rho)
         return spec.coefficients(terms) * terms.mask
 
@@ -131,7 +133,7 @@ def kl_term(
     lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics)
     if spec.uses_batch_statistics and statistics is None:
         check_group(group, logp)
-        t = replace(t, statistics=_statistics_of(t, group))
+        t = replace(t, statistics=_statistics_of(t, group, spec))
     return KLTerm(logp=lp, terms=t, coefficients=spec.coefficients(t) * t.mask, sequence_kl=_value_per_sequence(t),
                   is_ess=_is_ess(t))
 
@@ -143,17 +145,19 @@ def kl_statistics(
     *,
     old_logp: Tensor | None = None,
     group: Tensor | None = None,
+    preset: str | Preset = "sequence",
 ) -> KLStatistics:
     """Leave-one-out statistics (a_b [B], b_{b,t} [B, T]; detached, working dtype) of the reduced presets.
 
     Compute them once on the largest batch of independent samples at hand (e.g. the whole rollout batch at experience
     time; `group` = [B] GRPO prompt ids restricts the leave-one-out to each group), store them beside the batch, and
-    pass the rows of each micro-batch as `statistics=` to `kl_term` / `kl_surrogate`. Row b's statistics depend only
+    pass the rows of each micro-batch as `statistics=` to `kl_term` / `kl_surrogate` with the same `preset` (its
+    `weighted_returns`: `sequence`'s are importance-weighted, `reward`'s are not). Row b's statistics depend only
     on the other rows, so the gradient stays exact (tests/core/test_batch_exactness.py). Definitions: reductions.py.
     """
     _, t = _terms(logp, ref_logp, mask, old_logp, None)
     check_group(group, logp)
-    return _statistics_of(t, group)
+    return _statistics_of(t, group, get_preset(preset))
 
 
 def kl_surrogate(

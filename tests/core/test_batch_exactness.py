@@ -86,7 +86,7 @@ def test_group_ids_equal_separate_batches(name):
     """One call with a group id per batch gives, row for row, the weights of separate calls on each batch."""
     lp, ref, mask, old, group = _every_pair()
     together = kl_coefficients(lp, ref, mask, preset=name, old_logp=old, group=group)
-    stats = kl_statistics(lp, ref, mask, old_logp=old, group=group)
+    stats = kl_statistics(lp, ref, mask, old_logp=old, group=group, preset=name)
     for b in range(0, lp.shape[0], 2 * 17):  # a spread of pairs
         rows = slice(b, b + 2)
         alone = kl_coefficients(lp[rows], ref[rows], mask[rows], preset=name, old_logp=old[rows])

@@ -44,8 +44,10 @@ def test_a_rows_statistics_do_not_depend_on_the_row(batch, row, scale):
     mask2 = mask.clone()
     mask2[row] = torch.arange(mask.shape[1]) < (mask.shape[1] - int(mask[row].sum()))
     after = kl_statistics(logp2, ref, mask2, old_logp=old, group=group)
-    assert torch.allclose(before.cv_coef[row], after.cv_coef[row], rtol=1e-12, atol=1e-14)
-    assert torch.allclose(before.baseline[row] * mask2[row], after.baseline[row] * mask2[row], rtol=1e-10, atol=1e-12)
+    # leave-one-out sums are group totals minus the row's own value: rounding of the changed row's terms in the total
+    # moves them by ~1e-12 relative (hypothesis found 0.1996 vs 0.1996 beyond 1e-12); a dependence would be O(1)
+    assert torch.allclose(before.cv_coef[row], after.cv_coef[row], rtol=1e-9, atol=1e-12)
+    assert torch.allclose(before.baseline[row] * mask2[row], after.baseline[row] * mask2[row], rtol=1e-9, atol=1e-12)
     assert torch.equal(before.alone[row], after.alone[row])
 
 
@@ -55,7 +57,7 @@ def test_statistics_sliced_into_micro_batches_give_the_whole_batch_weights(batch
     """kl_statistics on the whole batch, sliced with it, reproduces the whole-batch weights in every micro-batch."""
     logp, ref, mask, old, group = batch
     whole = kl_coefficients(logp, ref, mask, preset=name, old_logp=old, group=group)
-    stats = kl_statistics(logp, ref, mask, old_logp=old, group=group)
+    stats = kl_statistics(logp, ref, mask, old_logp=old, group=group, preset=name)
     for rows in (slice(0, cut), slice(cut, None)):
         if logp[rows].shape[0] == 0:
             continue
@@ -136,7 +138,7 @@ def test_given_statistics_equal_the_batch_own():
     for name in REDUCED:
         own = kl_term(logp, ref, mask, preset=name, old_logp=old)
         given_ = kl_term(logp, ref, mask, preset=name, old_logp=old, statistics=kl_statistics(logp, ref, mask,
-                                                                                             old_logp=old))
+                                                                                             old_logp=old, preset=name))
         assert torch.equal(own.coefficients, given_.coefficients)
 
 

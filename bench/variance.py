@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -455,6 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batches", type=int, default=4096, help="use at most this many batches per G")
     ap.add_argument("--chunk-tokens", type=int, default=2 ** 19, help="tokens processed at once (memory)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="machine conditions to record in the results (e.g. other work running)")
     ap.add_argument("--name", default=None, help="results go to bench/results/variance_<name>.*")
     ap.add_argument("--targets", type=Path, default=None,
                     help="only check the issue's targets on a results JSON; writes <its stem>_targets.txt")
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: v for k, v in vars(args).items() if k not in ("quick", "micro", "name")}
     settings["sources_sha256"] = core_fingerprint()
     header = (f"command: {command}\nsettings: {json.dumps(settings)}\nruntime: {seconds:.0f} s on 1 thread "
-              f"(shared 2-core machine, other work running)\n")
+              f"({os.cpu_count()} CPU cores{'; ' + args.note if args.note else ''})\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"variance_{name}.txt").write_text(header + table + "\n")
     write_result(f"variance_{name}", {"settings": settings, "runtime_s": seconds, "rows": rows})

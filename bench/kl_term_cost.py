@@ -1,6 +1,7 @@
 """Core cost of the KL term: kl_term + surrogate + backward, plain vs variance-reduced presets, on [B, T] batches.
 
-Configurations (off-policy batches: old_logp given, float32 inputs, the shapes of a long and a wide micro-batch):
+Configurations (float32 inputs, the shapes of a long and a wide micro-batch; off-policy: old_logp given, as with PPO
+epochs or async rollouts; on-policy: no old_logp, as in TRL's default num_iterations=1):
   sequence-plain / reward-plain     today's estimators
   sequence / reward                 reduced, statistics computed from the batch itself (leave-one-out over its rows)
   sequence+stats                    reduced, statistics precomputed by kl_statistics (the rollout-time path)
@@ -23,7 +24,8 @@ from timing import alternating, compare, write_result  # noqa: E402
 
 from kl_adapters import kl_statistics, kl_term  # noqa: E402
 
-SHAPES = [(8, 4096), (64, 512)]
+#: (B, T, off-policy)
+SHAPES = [(8, 4096, True), (64, 512, True), (8, 4096, False)]
 
 
 def batch(b: int, t: int, device: str):
@@ -36,7 +38,8 @@ def batch(b: int, t: int, device: str):
     return logp, ref, old, mask
 
 
-def configs(logp, ref, old, mask):
+def configs(logp, ref, old, mask, off_policy: bool):
+    old = old if off_policy else None
     stats = kl_statistics(logp, ref, mask, old_logp=old)
 
     def step(preset, **kw):
@@ -58,16 +61,17 @@ def main() -> int:
     args = parser.parse_args()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
     results = {}
-    for b, t in SHAPES:
-        times = alternating(configs(*batch(b, t, args.device)), repeats=args.repeats, sync=sync)
+    for b, t, off_policy in SHAPES:
+        times = alternating(configs(*batch(b, t, args.device), off_policy), repeats=args.repeats, sync=sync)
         row = {"median_ms": {c: 1e3 * statistics.median(v) for c, v in times.items()}}
         for plain, reduced in (("sequence-plain", "sequence"), ("sequence-plain", "sequence+stats"),
                                ("reward-plain", "reward")):
             cmp = compare(times, plain, reduced)
             row[f"{reduced}/{plain}"] = {"ratio": cmp["ratio"], "median_paired_ratio": cmp["median_paired_ratio"]}
-        results[f"{b}x{t}"] = row
+        name = f"{b}x{t}" + ("" if off_policy else " on-policy")
+        results[name] = row
         cells = "  ".join(f"{c} {ms:.2f} ms" for c, ms in row["median_ms"].items())
-        print(f"{b}x{t}: {cells}")
+        print(f"{name}: {cells}")
         for k, v in row.items():
             if k != "median_ms":
                 print(f"    {k}: ratio of medians {v['ratio']:.2f}, median paired ratio {v['median_paired_ratio']:.2f}")

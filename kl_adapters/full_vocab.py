@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ._validate import check_batch, check_beta, check_group, check_statistics
 from .estimators import reverse_cumsum, working_dtype
-from .reductions import KLStatistics, conditional_returns, leave_one_out_baseline, same_group
+from .reductions import KLStatistics, conditional_returns, leave_one_out_baseline, other_moments, same_group
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
@@ -67,11 +67,11 @@ def full_statistics(kl: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | N
     Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
     """
     m = mask.to(kl.dtype)
-    p, _ = conditional_returns(_next(kl * m), torch.zeros_like(kl), log_rho * m)
+    terms, none, same = _next(kl * m), torch.zeros_like(kl), same_group(group)
+    p, _ = conditional_returns(terms, none, m, log_rho * m)
     zero_coef = torch.zeros(kl.shape[0], dtype=kl.dtype, device=kl.device)
-    none = torch.zeros_like(kl)
-    baseline = leave_one_out_baseline(p=p, q=none, k1=_next(kl * m), cv=none, mask=m, cv_coef=zero_coef,
-                                      same=same_group(group))
+    baseline = leave_one_out_baseline(p=p, q=none, cv=none, mask=m, moments=other_moments(terms, none, m, same),
+                                      cv_coef=zero_coef, same=same)
     return KLStatistics(cv_coef=zero_coef, baseline=baseline)
 
 

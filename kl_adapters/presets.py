@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -44,14 +45,28 @@ class Terms:
     is_clip: float | None
     #: leave-one-out statistics of the batch; set for (and only read by) presets with uses_batch_statistics
     statistics: KLStatistics | None = None
+    #: log_rho is zero (no old_logp): every importance weight is 1, which the weights below return without arithmetic
+    on_policy: bool = False
 
     def token_ratio(self) -> Tensor:
         """rho_t = pi/mu per token, capped at is_clip when set (1 on-policy)."""
+        if self.on_policy:
+            return self.mask
         log_rho = self.log_rho if self.is_clip is None else self.log_rho.clamp(max=_log(self.is_clip))
         return torch.exp(log_rho) * self.mask
 
+    @cached_property
+    def cv(self) -> Tensor:
+        """r_t - 1 = pi_ref/pi - 1 at real tokens, 0 at padding (`reductions.control_variate`; k3_t = k1_t + cv_t);
+        computed once per Terms."""
+        return control_variate(self.k1, self.mask)
+
+    @cached_property
     def prefix_weights(self) -> Tensor:
-        """w_{1:t} = prod_{s<=t} rho_s (per-decision importance weight), capped at is_clip when set (1 on-policy)."""
+        """w_{1:t} = prod_{s<=t} rho_s (per-decision importance weight), capped at is_clip when set (1 on-policy);
+        computed once per Terms (the value and `sequence`'s weight both read it)."""
+        if self.on_policy:
+            return self.mask
         log_w = self.log_rho.cumsum(-1)
         if self.is_clip is not None:
             log_w = log_w.clamp(max=_log(self.is_clip))
@@ -97,7 +112,7 @@ class Preset:
 
 def _sequence_plain(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} k1_s: pathwise reverse term w_{1:t} k1_t + detached per-decision future-KL return.
-    return reverse_cumsum(t.prefix_weights() * t.k1)
+    return reverse_cumsum(t.prefix_weights * t.k1)
 
 
 def _reward_plain(t: Terms) -> Tensor:
@@ -109,15 +124,14 @@ def _future_cv(t: Terms) -> tuple[Tensor, Tensor]:
     """The reductions' per-token pieces: a_{b,t} (r_t - 1) (control variate) and b_{b,t} (baseline), zero at padding."""
     if t.statistics is None:
         raise ValueError("this preset needs batch statistics (kl_term computes them); got Terms without statistics")
-    cv = control_variate(t.k1, t.mask)
-    return t.statistics.coefficient(t.k1, cv, t.mask) * cv, t.statistics.baseline * t.mask
+    return t.statistics.coefficient(t.k1, t.cv, t.mask) * t.cv, t.statistics.baseline * t.mask
 
 
 def _sequence(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} X_s - w_{1:t} (a (r_t - 1) + b_t), X_s = k1_s + a (r_s - 1): the plain weight with the
     # future control variate and the baseline (reductions.py); same expectation, on- and off-policy.
     cv, baseline = _future_cv(t)
-    w = t.prefix_weights()
+    w = t.prefix_weights
     return reverse_cumsum(w * (t.k1 + cv)) - w * (cv + baseline)
 
 

@@ -39,6 +39,8 @@ from .estimators import reverse_cumsum
 SINGLE_SAMPLE_CV_COEF = 0.0
 #: prior weight, in tokens, of a = 0 (the plain k1 return) against the fitted coefficient: a = n / (n + this) * fit
 CV_PRIOR_TOKENS = 4.0
+#: smallest prefix weight, relative to the row's largest, that `conditional_returns` divides by (log scale)
+LOG_RELATIVE_WEIGHT_FLOOR = -60.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,9 @@ class KLStatistics:
     def coefficient(self, k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
         """[B, T] control-variate coefficient a_{b,s} of each future term: a_b, or the causal fit for alone rows."""
         coef = self.cv_coef[:, None].expand_as(k1)
-        return coef if self.alone is None else torch.where(self.alone[:, None], causal_cv_coef(k1, cv, mask), coef)
+        if self.alone is None or not bool(self.alone.any()):  # one host sync: skips the causal fit in the usual case
+            return coef
+        return torch.where(self.alone[:, None], causal_cv_coef(k1, cv, mask), coef)
 
 
 def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
@@ -85,8 +89,8 @@ def same_group(group: Tensor | None) -> Tensor | None:
 
 
 def _others_sum(x: Tensor, same: Tensor | None) -> Tensor:
-    """Sum over the other rows of the same group: group sum minus the row's own value (x is [B] or [B, T]).
-    One group: column sums; several: sums per dense group id (memory O(B T), no [B, B] matrix)."""
+    """Sum over the other rows of the same group (dim 0): group sum minus the row's own value.
+    One group: column sums; several: sums per dense group id (memory O(x), no [B, B] matrix)."""
     totals = x.sum(0, keepdim=True) if same is None else torch.zeros_like(x).index_add_(0, same, x)[same]
     return totals - x
 
@@ -101,70 +105,78 @@ def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
     return torch.where(den > 0, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
 
 
-def loo_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
-    """a_b = clamp(-sum_{others} k1 (r - 1) / sum_{others} (r - 1)^2, 0, 1) over the other rows of b's group."""
-    return _regression(_others_sum(-(k1 * cv * mask).sum(-1), same), _others_sum((cv.square() * mask).sum(-1), same),
-                       _others_sum(mask.sum(-1), same))
-
-
 def causal_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
     """[B, T] a_{b,s} = clamp(-sum_{u<s} k1_u (r_u - 1) / sum_{u<s} (r_u - 1)^2, 0, 1) over the row's own earlier
     tokens: a function of y_<s, so E[g_t w_{1:s} a_{b,s} (r_s - 1)] = 0 for t < s still holds (module docstring, 1.)."""
-    num = (-(k1 * cv * mask)).cumsum(-1) + k1 * cv * mask
-    den = (cv.square() * mask).cumsum(-1) - cv.square() * mask
-    return _regression(num, den, mask.cumsum(-1) - mask)
+    prod, square = k1 * cv, cv.square()  # zero at padding
+    return _regression(prod - prod.cumsum(-1), square.cumsum(-1) - square, mask.cumsum(-1) - mask)
 
 
-def conditional_returns(k1: Tensor, cv: Tensor, log_rho: Tensor) -> tuple[Tensor, Tensor]:
-    """P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1): a row's return from t given it
-    reached t (w_{t+1:s} = w_{1:s} / w_{1:t}, computed relative to the row's largest prefix weight; where that ratio
-    underflows, P_t = k1_t and Q_t = 0)."""
-    log_w = log_rho.cumsum(-1)
-    rel = torch.exp(log_w - log_w.max(-1, keepdim=True).values)
-    ok = rel > 0
-    safe = torch.where(ok, rel, torch.ones_like(rel))
-    p = torch.where(ok, reverse_cumsum(rel * k1) / safe, k1)
-    q = torch.where(ok, reverse_cumsum(rel * cv) / safe - cv, torch.zeros_like(cv))
-    return p, q
+def other_moments(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
+    """[B, 3, 3] sums over the real tokens of the OTHER rows of each row's group of x_i x_j, x = (k1, r - 1, 1)
+    (k1 and cv are 0 at padding): [:, 0, 1] = sum k1 (r - 1), [:, 1, 1] = sum (r - 1)^2, [:, 0, 2] = sum k1,
+    [:, 0, 0] = sum k1^2, [:, 1, 2] = sum (r - 1), [:, 2, 2] = number of tokens."""
+    x = torch.stack((k1, cv, mask), 1)
+    return _others_sum((x[:, :, None] * x[:, None, :]).sum(-1), same)
 
 
-def leave_one_out_baseline(p: Tensor, q: Tensor, k1: Tensor, cv: Tensor, mask: Tensor, cv_coef: Tensor,
+def conditional_returns(k1: Tensor, cv: Tensor, mask: Tensor, log_rho: Tensor | None) -> tuple[Tensor, Tensor]:
+    """P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1), zero at padding: a row's return
+    from t given it reached t. w_{t+1:s} = w_{1:s} / w_{1:t} is computed relative to the row's largest prefix weight,
+    held at exp(LOG_RELATIVE_WEIGHT_FLOOR) where it is smaller (so neither underflows to 0 / 0 nor overflows in
+    float32: only other rows' baselines read P and Q, and any function of the other rows is an exact baseline, so the
+    floor changes variance only, for rows whose weights have degenerated). log_rho None: on-policy (every w = 1)."""
+    both = torch.stack((k1, cv), 1)
+    if log_rho is None:
+        both = reverse_cumsum(both)
+    else:
+        log_w = log_rho.cumsum(-1)
+        rel = torch.exp((log_w - log_w.max(-1, keepdim=True).values).clamp(min=LOG_RELATIVE_WEIGHT_FLOOR))[:, None]
+        both = reverse_cumsum(rel * both) / rel
+    both = both * mask[:, None]
+    return both[:, 0], both[:, 1] - cv
+
+
+def leave_one_out_baseline(p: Tensor, q: Tensor, cv: Tensor, mask: Tensor, moments: Tensor, cv_coef: Tensor,
                            same: Tensor | None) -> Tensor:
-    """b_{b,t} = lambda_b * m_{b,t}: the leave-one-out mean m_{b,t} of P_{b',t} + a_b Q_{b',t} over the other rows of
-    b's group alive at t (0 where none is), shrunk toward 0 by a positive-part James-Stein factor pooled over positions,
+    """b_{b,t} = lambda_b * m_{b,t}: the leave-one-out mean m_{b,t} of P_{b',t} + a_b Q_{b',t}
+    over the other rows of b's group alive at t (0 where none is), shrunk toward 0 by a positive-part James-Stein
+    factor pooled over positions,
 
         lambda_b = max(0, 1 - sum_t V_{b,t} / n_{b,t} / sum_t m_{b,t}^2)    (sums over t with n_{b,t} > 0)
 
     n_{b,t} = number of other rows alive at t, V_{b,t} = var(k1) + L_{b,t} var(k1 + a_b (r - 1)) the variance of one
-    return from t (per-token variances pooled over the other rows' tokens, L = their mean number of tokens after t).
-    A mean of few returns is noisy: subtracting it adds V / n to the variance and removes m^2, so lambda keeps it
-    where it pays. Exact as a baseline: every quantity is a function of the other rows and a_b only.
+    return from t (per-token variances pooled over the other rows' tokens from `moments` = `other_moments`,
+    L = their mean number of tokens after t). A mean of few returns is noisy: subtracting it adds V / n to the variance
+    and removes m^2, so lambda keeps it where it pays. Exact as a baseline: every quantity is a function of the other
+    rows and a_b only. Every [B, T] sum over the other rows is taken in one pass (stacked).
     """
-    count = _others_sum(mask, same)
-    alive = count > 0
-    per_count = count.clamp(min=1)
-    mean = (_others_sum(p * mask, same) + cv_coef[:, None] * _others_sum(q * mask, same)) / per_count
-    mean = torch.where(alive, mean, torch.zeros_like(mean))
-    tokens = _others_sum(mask.sum(-1), same).clamp(min=1)
-    pooled = {name: _others_sum((x * mask).sum(-1), same) / tokens
-              for name, x in (("k1", k1), ("k1k1", k1 * k1), ("cv", cv), ("k1cv", k1 * cv), ("cvcv", cv * cv))}
+    after = (mask.sum(-1, keepdim=True) - mask.cumsum(-1)) * mask  # each row's number of tokens after t
+    others = _others_sum(torch.stack((mask, p, q, after), 1), same)
+    count, per_count = others[:, 0], others[:, 0].clamp(min=1)
+    inv = per_count.reciprocal()
+    # the other rows' P and Q are zero at their padding, so the mean is 0 where no other row is alive
+    mean = (others[:, 1] + cv_coef[:, None] * others[:, 2]) * inv
+    # sum_t alive / n and sum_t L / n, with L = (sum of the others' tokens after t) / n
+    noise_sums = (torch.stack((count, others[:, 3]), 1) * inv.square()[:, None]).sum(-1)
+    tokens = moments[:, 2, 2].clamp(min=1)
+    k1, k1k1, cvs, k1cv, cvcv = (moments[:, i, j] / tokens for i, j in ((0, 2), (0, 0), (1, 2), (0, 1), (1, 1)))
     a = cv_coef
-    var_k1 = pooled["k1k1"] - pooled["k1"].square()
-    var_x = (pooled["k1k1"] + 2 * a * pooled["k1cv"] + a.square() * pooled["cvcv"]
-             - (pooled["k1"] + a * pooled["cv"]).square())
-    after = _others_sum((reverse_cumsum(mask) - mask) * mask, same) / per_count
-    noise = torch.where(alive, (var_k1[:, None] + after * var_x[:, None]) / per_count, torch.zeros_like(mean))
+    var_k1 = k1k1 - k1.square()
+    var_x = k1k1 + 2 * a * k1cv + a.square() * cvcv - (k1 + a * cvs).square()
+    noise = var_k1 * noise_sums[:, 0] + var_x * noise_sums[:, 1]
     signal = mean.square().sum(-1)
-    shrink = torch.where(signal > 0, 1 - noise.sum(-1) / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
+    shrink = torch.where(signal > 0, 1 - noise / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
     return shrink.clamp(min=0.0)[:, None] * mean
 
 
-def batch_statistics(k1: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None) -> KLStatistics:
-    """Leave-one-out a_b and b_{b,t} of every row from detached [B, T] terms (zero at padding, float mask)."""
+def batch_statistics(k1: Tensor, cv: Tensor, log_rho: Tensor | None, mask: Tensor, group: Tensor | None
+                     ) -> KLStatistics:
+    """Leave-one-out a_b and b_{b,t} of every row from detached [B, T] terms (zero at padding, float mask;
+    cv = `control_variate(k1, mask)`); log_rho None = on-policy (every importance weight 1)."""
     same = same_group(group)
-    cv = control_variate(k1, mask)
-    cv_coef = loo_cv_coef(k1, cv, mask, same)
-    p, q = conditional_returns(k1, cv, log_rho)
-    alone = _others_sum(mask.sum(-1), same) == 0
-    baseline = leave_one_out_baseline(p, q, k1, cv, mask, cv_coef, same)
-    return KLStatistics(cv_coef=cv_coef, baseline=baseline, alone=alone)
+    moments = other_moments(k1, cv, mask, same)
+    cv_coef = _regression(-moments[:, 0, 1], moments[:, 1, 1], moments[:, 2, 2])
+    p, q = conditional_returns(k1, cv, mask, log_rho)
+    baseline = leave_one_out_baseline(p, q, cv, mask, moments, cv_coef, same)
+    return KLStatistics(cv_coef=cv_coef, baseline=baseline, alone=moments[:, 2, 2] == 0)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ._validate import check_batch, check_beta, check_group, check_is_clip, check_statistics
-from .estimators import k3, reverse_cumsum, working_dtype
+from .estimators import reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
 from .reductions import KLStatistics, batch_statistics
 
@@ -47,16 +47,18 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     lp_d = lp.detach()
     k1 = lp_d - torch.where(m, ref_logp.detach().to(dtype), zero)
     log_rho = zero.expand_as(lp) if old_logp is None else lp_d - torch.where(m, old_logp.detach().to(dtype), zero)
-    stats = None if statistics is None else KLStatistics(statistics.cv_coef.detach().to(dtype),
-                                                          statistics.baseline.detach().to(dtype) * m, statistics.alone)
-    return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip, statistics=stats)
+    stats = None if statistics is None else KLStatistics(  # padding of a given baseline may hold anything, NaN too
+        statistics.cv_coef.detach().to(dtype), torch.where(m, statistics.baseline.detach().to(dtype), zero),
+        statistics.alone)
+    return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip, statistics=stats,
+                     on_policy=old_logp is None)
 
 
 def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -> KLStatistics:
     """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it), from
     importance-weighted returns unless the preset's own return is unweighted (`Preset.weighted_returns`)."""
-    log_rho = t.log_rho if spec is None or spec.weighted_returns else torch.zeros_like(t.log_rho)
-    return batch_statistics(t.k1, log_rho, t.mask, group)
+    weighted = not t.on_policy and (spec is None or spec.weighted_returns)
+    return batch_statistics(t.k1, t.cv, t.log_rho if weighted else None, t.mask, group)
 
 
 def _is_ess(t: Terms) -> Tensor:
@@ -68,8 +70,9 @@ def _is_ess(t: Terms) -> Tensor:
 
 
 def _value_per_sequence(t: Terms) -> Tensor:
-    """sum_t w_{1:t} k3_t per sequence: E_mu[.] = KL_seq exactly (is_clip=None); non-negative per token."""
-    return (t.prefix_weights() * k3(t.k1)).sum(-1)
+    """sum_t w_{1:t} k3_t per sequence (k3 = k1 + (r - 1)): E_mu[.] = KL_seq exactly (is_clip=None); non-negative per
+    token."""
+    return (t.prefix_weights * (t.k1 + t.cv)).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ class KLTerm:
         terms = self.terms
         if spec.uses_batch_statistics and terms.statistics is None:
             terms = replace(terms, statistics=_statistics_of(terms, None, spec))
-        terms = replace(terms, is_clip=None, log_rho=torch.zeros_like(terms.log_rho) if on_policy else terms.log_rho)
+        if on_policy:
+            terms = replace(terms, log_rho=torch.zeros_like(terms.log_rho), on_policy=True)
+        terms = replace(terms, is_clip=None)
         return spec.coefficients(terms) * terms.mask
 
 

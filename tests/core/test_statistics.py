@@ -124,7 +124,10 @@ def test_bad_statistics_and_group_are_refused():
         kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
     nan[0, 0] = 0.0
     nan[3, 6] = float("nan")  # padding of row 3 (length 1): never read
-    kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
+    x = logp.clone().requires_grad_(True)
+    loss = kl_surrogate(x, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     with pytest.raises(ValueError, match=r"group has shape \(4,\)"):
         kl_statistics(logp, ref, mask, group=torch.zeros(4, dtype=torch.long))
     with pytest.raises(TypeError, match="integer ids"):

@@ -26,9 +26,17 @@ and the output projections, so that neither model's [B, T, V] logits ever exist:
 chunks of `chunk_size`, compute the gradient with respect to their inputs in the forward pass (closed form:
 d/dz [w KL(softmax z || q) + c log softmax(z)_y] = w p (log p - log q - KL) + c (e_y - p)), and keep only that
 gradient (the size of the inputs) for the backward pass. Peak extra memory: O(chunk_size x V) in float32, plus a
-float32 accumulator of the projection's gradient [V, H]. Each chunk's logits are computed twice (once for the KL
-terms, which every score weight depends on, once for the gradient). Arithmetic in float32 (float64 if an input is
-float64) whatever the input dtype.
+float32 accumulator of the projection's gradient [V, H]. Arithmetic in float32 (float64 if an input is float64)
+whatever the input dtype.
+
+Passes. The score weights c depend on every row's KL, so without more information each chunk's logits are computed
+twice (once for the KL terms, once for the gradient). A caller that already has the policy's log-probs of the sampled
+tokens with their autograd graph (a trainer's task loss does) passes them as `logp`: the pathwise weights w_{1:t-1}
+then follow from logp before the loop, the chunks are visited once for the KL terms and the pathwise gradient, and
+the score part sum_t c_t g_t flows through logp (the gradient of sum_t c_t logp_t): the same gradient (pinned by
+tests/core/test_full_vocab.py::test_one_pass_with_logp_equals_two_passes), half the logits computed. logp must match
+log softmax(logits) at the sampled tokens (within LOGP_TOLERANCE: rounding of low-precision logits) or a ValueError
+says so.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ from .reductions import KLStatistics, conditional_returns, leave_one_out_baselin
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
 CHUNK_SIZE = 256
+#: (absolute, relative) tolerance between a given logp and log softmax(logits) at the sampled tokens: bf16 logits
+#: round log-probs by ~0.4% of their size; a temperature applied to one and not the other differs far more
+LOGP_TOLERANCE = (0.05, 0.02)
 
 
 def _shift_right(x: Tensor, fill: float) -> Tensor:
@@ -83,9 +94,13 @@ def full_coefficients(kl: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLS
     """
     log_w = (log_rho * mask).cumsum(-1)
     w = torch.exp(log_w) * mask
-    w_before = torch.exp(_shift_right(log_w, 0.0)) * mask
     future = reverse_cumsum(w * _next(kl * mask))  # sum_{s>t} w_{1:s-1} KL_s
-    return w_before, (future - w * statistics.baseline) * mask
+    return _path_weights(log_w, mask), (future - w * statistics.baseline) * mask
+
+
+def _path_weights(log_w: Tensor, mask: Tensor) -> Tensor:
+    """w_{1:t-1} = exp(sum_{s<t} log rho_s) at real tokens (1 on-policy), from log_w = cumsum of the masked log rho."""
+    return torch.exp(_shift_right(log_w, 0.0)) * mask
 
 
 def _check_full_inputs(logits_shape: torch.Size, ref_shape: torch.Size, tokens: Tensor, mask: Tensor,
@@ -108,19 +123,21 @@ def _check_full_inputs(logits_shape: torch.Size, ref_shape: torch.Size, tokens: 
 
 
 def _chunk_terms(z: Tensor, z_ref: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per row of a chunk of logits [n, V]: (log p [n, V], log q [n, V], KL(p || q) [n], log p(y) [n])."""
+    """Per row of a chunk of logits [n, V]: (p [n, V], log p - log q - KL(p || q) [n, V], KL(p || q) [n],
+    log p(y) [n]); log q(y) is log p(y) minus the y entry of log p - log q."""
     lp = torch.log_softmax(z, -1)
-    lq = torch.log_softmax(z_ref, -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return lp, lq, kl, lp.gather(-1, y[:, None])[:, 0]
-
-
-def _chunk_grad(z: Tensor, z_ref: Tensor, y: Tensor, path_w: Tensor, score_c: Tensor) -> Tensor:
-    """d/dz [path_w KL(softmax z || softmax z_ref) + score_c log softmax(z)_y] per row: [n, V]."""
-    lp, lq, kl, _ = _chunk_terms(z, z_ref, y)
+    diff = lp - torch.log_softmax(z_ref, -1)
     p = lp.exp()
-    grad = path_w[:, None] * p * (lp - lq - kl[:, None]) - score_c[:, None] * p
-    grad.scatter_add_(-1, y[:, None], score_c[:, None])
+    kl = (p * diff).sum(-1)
+    return p, diff.sub_(kl[:, None]), kl, lp.gather(-1, y[:, None])[:, 0]
+
+
+def _chunk_grad(p: Tensor, centred: Tensor, y: Tensor, path_w: Tensor, score_c: Tensor | None) -> Tensor:
+    """d/dz [path_w KL(softmax z || softmax z_ref) + score_c log softmax(z)_y] per row, [n, V], from _chunk_terms'
+    p and centred = log p - log q - KL (overwritten); score_c None: the pathwise part alone."""
+    grad = centred.mul_(p).mul_(path_w[:, None])
+    if score_c is not None:
+        grad.sub_(p * score_c[:, None]).scatter_add_(-1, y[:, None], score_c[:, None])
     return grad
 
 
@@ -129,51 +146,73 @@ ChunkLogits = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], tokens: Tensor, mask: Tensor,
-             old_logp: Tensor | None, statistics: KLStatistics | None, group: Tensor | None, chunk_size: int,
-             dtype: torch.dtype) -> Tensor:
-    """Both passes over the real tokens; returns (1/B) sum_b sum_t w_{1:t-1} KL_t and hands each chunk's gradient of
-    (1/B) [sum w KL + sum c log pi(y)] with respect to its logits to on_grad(indices, grad)."""
+             old_logp: Tensor | None, logp: Tensor | None, statistics: KLStatistics | None, group: Tensor | None,
+             chunk_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Returns ((1/B) sum_b sum_t w_{1:t-1} KL_t, the score weights c / B [B, T], detached) and hands on_grad(indices,
+    grad) each chunk's gradient with respect to its logits: of (1/B) [sum w KL + sum c log pi(y)] in a second pass
+    when logp is None; of (1/B) sum w KL in the one pass when logp (detached here) is given, the caller adding
+    sum c log pi(y) through its own logp (module docstring, "Passes")."""
     batch, horizon = tokens.shape
     m = mask if mask.dtype == torch.bool else mask != 0
+    mf = m.to(dtype)
     flat = m.flatten().nonzero()[:, 0]
     y = tokens.flatten()[flat].long()
     kl_flat = torch.zeros(flat.numel(), dtype=dtype, device=tokens.device)
     lp_flat, lq_flat = torch.zeros_like(kl_flat), torch.zeros_like(kl_flat)
-    for start in range(0, flat.numel(), chunk_size):  # pass 1: the per-token terms every weight depends on
+
+    def log_rho_of(lp: Tensor) -> Tensor:
+        return torch.zeros_like(lp) if old_logp is None else (lp - torch.where(m, old_logp.to(dtype), 0.0)) * mf
+
+    given = None if logp is None else torch.where(m, logp.to(dtype), 0.0)
+    path_given = None if given is None else _path_weights(log_rho_of(given).cumsum(-1), mf).flatten()[flat] / batch
+    for start in range(0, flat.numel(), chunk_size):  # pass 1: the per-token terms (one pass: and the gradient)
         part = slice(start, start + chunk_size)
         z, z_ref = logits_of(flat[part])
         if int(y[part].min()) < 0 or int(y[part].max()) >= z.shape[-1]:
             raise ValueError(f"tokens must be ids in [0, {z.shape[-1]}) at unmasked positions")
-        _, lq, kl_flat[part], lp_flat[part] = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
-        lq_flat[part] = lq.gather(-1, y[part, None])[:, 0]
+        p, centred, kl_flat[part], lp_flat[part] = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
+        lq_flat[part] = lp_flat[part] - kl_flat[part] - centred.gather(-1, y[part, None])[:, 0]
+        if path_given is not None:
+            on_grad(flat[part], _chunk_grad(p, centred, y[part], path_given[part], None))
 
     def scatter(x: Tensor) -> Tensor:
         return torch.zeros(batch * horizon, dtype=dtype, device=tokens.device).index_copy_(0, flat, x).view(batch,
                                                                                                          horizon)
-    bad = torch.stack([~torch.isfinite(lp_flat).all(), ~torch.isfinite(lq_flat).all(), ~torch.isfinite(kl_flat).all()])
-    for name, is_bad in zip(("logits", "ref_logits", "KL(pi || pi_ref)"), bad.tolist()):
+    flags = [~torch.isfinite(lp_flat).all(), ~torch.isfinite(lq_flat).all(), ~torch.isfinite(kl_flat).all()]
+    if given is not None:
+        atol, rtol = LOGP_TOLERANCE
+        gap = (given.flatten()[flat] - lp_flat).abs()
+        flags.append((gap > atol + rtol * lp_flat.abs()).any())
+    bad = torch.stack(flags).tolist()
+    for name, is_bad in zip(("logits", "ref_logits", "KL(pi || pi_ref)"), bad):
         if is_bad:
             raise ValueError(f"{name} has non-finite values (nan/inf) at unmasked positions")
-    logp, ref_logp = scatter(lp_flat), scatter(lq_flat)
-    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, None, logp)
-    check_batch(logp, ref_logp, mask, old_logp, also_finite=finite)
-    check_group(group, logp)
-    kl, mf = scatter(kl_flat), m.to(dtype)
-    log_rho = torch.zeros_like(logp) if old_logp is None else (logp - torch.where(m, old_logp.to(dtype), 0.0)) * mf
+    if given is not None and bad[3]:
+        raise ValueError(f"logp does not match log softmax(logits) at the sampled tokens (largest difference "
+                         f"{float(gap.max()):.3g} at real tokens, tolerance {LOGP_TOLERANCE}): pass the same "
+                         "policy's log-probs of these tokens, with the same temperature")
+    logp_, ref_logp = scatter(lp_flat), scatter(lq_flat)
+    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, None, logp_)
+    check_batch(logp_ if given is None else given, ref_logp, mask, old_logp, also_finite=finite)
+    check_group(group, logp_)
+    kl = scatter(kl_flat)
+    log_rho = log_rho_of(logp_ if given is None else given)
     stats = full_statistics(kl, log_rho, mf, group) if statistics is None else KLStatistics(
-        statistics.cv_coef.detach().to(dtype), statistics.baseline.detach().to(dtype) * mf)
+        statistics.cv_coef.detach().to(dtype), torch.where(m, statistics.baseline.detach().to(dtype), 0.0))
     path_w, score_c = full_coefficients(kl, log_rho, mf, stats)
-    path_flat, score_flat = path_w.flatten()[flat] / batch, score_c.flatten()[flat] / batch
-    for start in range(0, flat.numel(), chunk_size):  # pass 2: the gradient with respect to each chunk's logits
-        part = slice(start, start + chunk_size)
-        z, z_ref = logits_of(flat[part])
-        on_grad(flat[part], _chunk_grad(z.to(dtype), z_ref.to(dtype), y[part], path_flat[part], score_flat[part]))
-    return (path_w * kl).sum() / batch
+    if given is None:
+        path_flat, score_flat = path_w.flatten()[flat] / batch, score_c.flatten()[flat] / batch
+        for start in range(0, flat.numel(), chunk_size):  # pass 2: the gradient with respect to each chunk's logits
+            part = slice(start, start + chunk_size)
+            z, z_ref = logits_of(flat[part])
+            p, centred, _, _ = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
+            on_grad(flat[part], _chunk_grad(p, centred, y[part], path_flat[part], score_flat[part]))
+    return (path_w * kl).sum() / batch, score_c / batch
 
 
 class _FullFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ref_logits, tokens, mask, old_logp, statistics, group, chunk_size):
+    def forward(ctx, logits, ref_logits, tokens, mask, old_logp, logp, statistics, group, chunk_size):
         vocab = logits.shape[-1]
         flat_logits, flat_ref = logits.detach().reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab)
         grad = torch.zeros_like(flat_logits) if logits.requires_grad else None
@@ -182,20 +221,22 @@ class _FullFromLogits(torch.autograd.Function):
             if grad is not None:
                 grad[index] = g.to(grad.dtype)
 
-        value = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, old_logp, statistics, group,
-                         chunk_size, working_dtype(logits, ref_logits, old_logp))
+        value, score = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, old_logp, logp,
+                                statistics, group, chunk_size, working_dtype(logits, ref_logits, old_logp, logp))
         ctx.save_for_backward(None if grad is None else grad.view_as(logits))
-        return value
+        ctx.mark_non_differentiable(score)
+        return value, score
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_score):
         (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_out.to(grad.dtype)), None, None, None, None, None, None, None
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), *(None,) * 8
 
 
 class _FullFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, statistics, group, chunk_size):
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, logp, statistics, group,
+                chunk_size):
         h, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
         h_ref, w_ref = ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach()
         grad_h = torch.zeros_like(h) if hidden.requires_grad else None
@@ -208,25 +249,46 @@ class _FullFromHidden(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.addmm_(g.t().to(acc), h[index].to(acc))
 
-        value = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, old_logp, statistics,
-                         group, chunk_size, working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp))
+        value, score = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, old_logp, logp,
+                                statistics, group, chunk_size,
+                                working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp, logp))
         ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden),
                               None if grad_w is None else grad_w.to(weight.dtype))
-        return value
+        ctx.mark_non_differentiable(score)
+        return value, score
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_score):
         grad_h, grad_w = ctx.saved_tensors
         return ((None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)),
-                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 8)
+                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 9)
 
 
-def _check_common(beta: float | Tensor, chunk_size: int, old_logp: Tensor | None) -> None:
+def _with_score_term(value: Tensor, score: Tensor, logp: Tensor | None, mask: Tensor) -> Tensor:
+    """value, plus sum_t c_t logp_t / B with value 0 when the score part flows through the caller's logp (one pass)."""
+    if logp is None:
+        return value
+    m = mask if mask.dtype == torch.bool else mask != 0
+    term = (score * torch.where(m, logp.to(score.dtype), 0.0)).sum()
+    return value + (term - term.detach())
+
+
+def _check_common(beta: float | Tensor, chunk_size: int) -> None:
     check_beta(beta)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if old_logp is not None and not isinstance(old_logp, Tensor):
-        raise TypeError(f"old_logp must be a torch.Tensor or None, got {type(old_logp).__name__}")
+
+
+def _check_logps(old_logp: Tensor | None, logp: Tensor | None, tokens: Tensor) -> None:
+    """old_logp and logp, when given, are floating-point [B, T] tensors like tokens (checked before any pass)."""
+    for name, t in (("old_logp", old_logp), ("logp", logp)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor or None, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape != tokens.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(tokens.shape)} ([B, T])")
 
 
 def full_kl_surrogate(
@@ -237,6 +299,7 @@ def full_kl_surrogate(
     *,
     beta: float | Tensor = 1.0,
     old_logp: Tensor | None = None,
+    logp: Tensor | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
@@ -249,16 +312,21 @@ def full_kl_surrogate(
     Gradient: beta * (1/B) sum_b [sum_t w_{1:t-1} grad KL_t + sum_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) g_t]
     (module docstring), unbiased for beta * grad KL_seq on- and off-policy; value beta * (1/B) sum_b sum_t
     w_{1:t-1} KL_t. statistics: `full_statistics` of the whole rollout batch sliced to these rows; None = leave-one-out
-    within this batch (within `group` when given). Pinned by tests/core/test_full_vocab.py.
+    within this batch (within `group` when given). logp [B, T]: the policy's log-probs of the sampled tokens with their
+    autograd graph (e.g. the ones the task loss uses): one pass over the chunks instead of two, the score part of the
+    gradient flowing through logp (module docstring, "Passes"). Pinned by tests/core/test_full_vocab.py.
     """
-    _check_common(beta, chunk_size, old_logp)
+    _check_common(beta, chunk_size)
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
     _check_full_inputs(logits.shape, ref_logits.shape, tokens, mask, ("logits", "ref_logits"))
+    _check_logps(old_logp, logp, tokens)
     if ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits has shape {tuple(ref_logits.shape)}, expected {tuple(logits.shape)}")
-    return beta * _FullFromLogits.apply(logits, ref_logits, tokens, mask, old_logp, statistics, group, chunk_size)
+    value, score = _FullFromLogits.apply(logits, ref_logits, tokens, mask, old_logp,
+                                         None if logp is None else logp.detach(), statistics, group, chunk_size)
+    return beta * _with_score_term(value, score, logp, mask)
 
 
 def full_kl_surrogate_from_hidden(
@@ -271,6 +339,7 @@ def full_kl_surrogate_from_hidden(
     *,
     beta: float | Tensor = 1.0,
     old_logp: Tensor | None = None,
+    logp: Tensor | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
@@ -279,19 +348,21 @@ def full_kl_surrogate_from_hidden(
     chunk by chunk so that neither model's [B, T, V] logits exist; gradients flow to hidden and weight.
 
     hidden [B, T, H], weight [V, H] (the policy's output projection, no bias), ref_hidden [B, T, H'], ref_weight
-    [V, H'] (detached). Same gradient, value, statistics and checks as `full_kl_surrogate`; peak extra memory
+    [V, H'] (detached). Same gradient, value, statistics, logp and checks as `full_kl_surrogate`; peak extra memory
     O(chunk_size x V) plus a float32 [V, H] gradient accumulator (tests/core/test_full_vocab.py::
     test_hidden_path_never_materializes_full_logits).
     """
-    _check_common(beta, chunk_size, old_logp)
+    _check_common(beta, chunk_size)
     for name, t in (("hidden", hidden), ("weight", weight), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
     _check_full_inputs(hidden.shape, ref_hidden.shape, tokens, mask, ("hidden", "ref_hidden"))
+    _check_logps(old_logp, logp, tokens)
     for name, w, h in (("weight", weight, hidden), ("ref_weight", ref_weight, ref_hidden)):
         if w.dim() != 2 or w.shape[1] != h.shape[-1]:
             raise ValueError(f"{name} must be [V, H] with H = {h.shape[-1]}, got {tuple(w.shape)}")
     if ref_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"ref_weight has {ref_weight.shape[0]} rows (vocabulary), weight has {weight.shape[0]}")
-    return beta * _FullFromHidden.apply(hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, statistics,
-                                        group, chunk_size)
+    value, score = _FullFromHidden.apply(hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp,
+                                         None if logp is None else logp.detach(), statistics, group, chunk_size)
+    return beta * _with_score_term(value, score, logp, mask)

@@ -52,8 +52,9 @@ the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL
   * the loss wrapper captures the policy backbone's last hidden state of TRL's own forward (a forward hook for that one
     call, gradient attached), runs the reference backbone (no gradient) on the same tokens, and adds
     ``full_kl_surrogate_from_hidden(h, W / temperature, h_ref, W_ref / temperature, completion_ids, mask,
-    beta=beta_seq, old_logp=behaviour_logp)`` (W the output projection): chunked over tokens, so [B, T, V] logits of
-    neither model are materialised. beta_seq and the behaviour log-probs are those of the other presets; the
+    beta=beta_seq, old_logp=behaviour_logp, logp=per_token_logps)`` (W the output projection): chunked over tokens,
+    so [B, T, V] logits of neither model are materialised; TRL's own per-token log-probs (with their graph) carry the
+    score part of the gradient, so each chunk's logits are computed once. beta_seq and the behaviour log-probs are those of the other presets; the
     baseline is leave-one-out over the micro-batch's rows (rollout-time statistics would need the exact KL_t of the
     whole generation batch, i.e. the very reference pass this preset removes from generation).
   * metrics: ``kl`` = token mean of the (importance-weighted) exact KL_t, ``kl_adapters/seq_kl`` its per-sequence sum.
@@ -372,9 +373,11 @@ def _reference_hidden(trainer: GRPOTrainer, input_ids, attention_mask) -> tuple[
         return hidden, _output_projection(lm, trainer.temperature).detach()
 
 
-def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Tensor, behaviour, beta_seq,
-             mask) -> torch.Tensor:
-    """beta_seq * full_kl_surrogate_from_hidden on this micro-batch (module docstring, preset `full`); logs metrics."""
+def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Tensor, logp: torch.Tensor, behaviour,
+             beta_seq, mask) -> torch.Tensor:
+    """beta_seq * full_kl_surrogate_from_hidden on this micro-batch (module docstring, preset `full`); logs metrics.
+    logp: TRL's own log-probs of the completion (with their graph): one pass over the vocabulary chunks, the score
+    part of the gradient through them."""
     if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
         raise UnsupportedFrameworkError("kl_preset='full' supports text-only models (multimodal inputs are not tested)")
     completion = inputs["completion_ids"]
@@ -385,7 +388,7 @@ def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Ten
     weight = _output_projection(_causal_lm(model, trainer), trainer.temperature)
     seq_kl = full_kl_surrogate_from_hidden(  # hidden state at position i predicts token i + 1
         policy_hidden[:, -horizon - 1:-1], weight, ref_hidden[:, -horizon - 1:-1], ref_weight, completion, mask,
-        old_logp=behaviour)
+        old_logp=behaviour, logp=logp)
     totals = trainer.accelerator.reduce(torch.stack([
         seq_kl.detach() * mask.shape[0], mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device)]).float(),
         reduction="sum").tolist()
@@ -438,7 +441,7 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
     behaviour = behaviour_logps(inputs, logp)
     beta_seq = beta * mask.shape[0] / per_token_normaliser(self, inputs, mask)
     if full:
-        return loss + _full_kl(self, model, inputs, hidden[0], behaviour, beta_seq, mask).to(loss.dtype)
+        return loss + _full_kl(self, model, inputs, hidden[0], logp, behaviour, beta_seq, mask).to(loss.dtype)
     ref = inputs["ref_per_token_logps"]
     statistics = statistics_of(inputs) if _uses_statistics(settings) else None  # None: leave-one-out over the rows
     term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip,

@@ -22,10 +22,11 @@ def problem(request):
     return random_policies(vocab, horizon, seed, drift=drift, off_policy=0.6)
 
 
-def _expected_gradient(pol, size, regime, precomputed=False):
+def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False):
     """Exact E[grad] over every ordered batch of `size` sequences sampled from pi (or mu), in one call: the batches are
     stacked with one group id each (leave-one-out stays inside a batch) and each batch reads its own copy of the
-    tabular logits, so one backward pass returns every batch's gradient."""
+    tabular logits, so one backward pass returns every batch's gradient. with_logp: the one-pass form, the score part
+    through the sampled tokens' log-probs."""
     sp = pol.space
     batches = torch.cartesian_prod(*[torch.arange(sp.num_sequences)] * size).view(-1, size)
     rows, group = batches.flatten(), torch.arange(len(batches)).repeat_interleave(size)
@@ -40,18 +41,22 @@ def _expected_gradient(pol, size, regime, precomputed=False):
         kl = (lp.exp() * (lp - lq)).sum(-1) * mask
         log_rho = torch.zeros_like(kl) if old is None else (token_logps(sp, pol.logits)[rows] - old) * mask
         stats = {"statistics": full_statistics(kl, log_rho, mask.double(), group)}
+    if with_logp:
+        stats["logp"] = torch.log_softmax(logits, -1).gather(-1, sp.token[rows].clamp(min=0)[..., None])[..., 0]
     loss = full_kl_surrogate(logits, ref, sp.token[rows], mask, old_logp=old, **stats) * len(batches)
     q = token_logps(sp, pol.logits if regime == "on-policy" else pol.behaviour_logits).sum(-1).exp()
     return torch.einsum("k,kij->ij", q[batches].prod(-1), torch.autograd.grad(loss, theta)[0]).flatten()
 
 
 @pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
-@pytest.mark.parametrize(("size", "precomputed"), [(1, False), (2, False), (2, True)])
-def test_full_is_exact_over_every_batch(problem, regime, size, precomputed):
-    """E[(1/G) sum_b g_b] = grad KL_seq exactly, baseline leave-one-out within each batch (or precomputed)."""
+@pytest.mark.parametrize(("size", "precomputed", "with_logp"),
+                         [(1, False, False), (2, False, False), (2, True, False), (1, False, True), (2, True, True)])
+def test_full_is_exact_over_every_batch(problem, regime, size, precomputed, with_logp):
+    """E[(1/G) sum_b g_b] = grad KL_seq exactly, baseline leave-one-out within each batch (or precomputed), in two
+    passes or in one with the sampled tokens' log-probs given."""
     sampler = problem.logits if regime == "on-policy" else problem.behaviour_logits
     target = targets(problem.space, problem.logits, problem.ref_logits, sampler)["kl_seq"]
-    assert relative_error(_expected_gradient(problem, size, regime, precomputed), target) < 1e-10
+    assert relative_error(_expected_gradient(problem, size, regime, precomputed, with_logp), target) < 1e-10
 
 
 @pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
@@ -104,6 +109,46 @@ def test_chunked_hidden_path_equals_unchunked_logits_path(old):
         torch.testing.assert_close(g_w, g_logits.flatten(0, 1).T @ h.flatten(0, 1), rtol=1e-10, atol=1e-12)
         chunked = full_kl_surrogate(logits, ref, tokens, mask, old_logp=old_logp, chunk_size=chunk, beta=0.3)
         torch.testing.assert_close(_grads(chunked, logits)[0], g_logits, rtol=1e-12, atol=1e-14)
+
+
+def _sampled_logp(h, w, tokens, mask):
+    return torch.log_softmax(h @ w.T, -1).gather(-1, torch.where(mask, tokens, 0)[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["on", "off"])
+def test_one_pass_with_logp_equals_two_passes(old):
+    """Given the sampled tokens' log-probs (with their graph), one pass over the chunks gives the two-pass gradient
+    with respect to the hidden states and the projection (the score part flowing through logp), and the same value."""
+    h, w, h_ref, w_ref, tokens, mask, old_logp = _random_batch()
+    old_logp = old_logp if old else None
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    two = full_kl_surrogate_from_hidden(hh, ww, h_ref, w_ref, tokens, mask, old_logp=old_logp, beta=0.3)
+    expected = _grads(two, hh, ww)
+    for chunk in (1, 4, 7):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        one = full_kl_surrogate_from_hidden(hh, ww, h_ref, w_ref, tokens, mask, old_logp=old_logp, chunk_size=chunk,
+                                            logp=_sampled_logp(hh, ww, tokens, mask), beta=0.3)
+        assert float(one.detach()) == pytest.approx(float(two.detach()), rel=1e-12)
+        for got, want in zip(_grads(one, hh, ww), expected):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    logits = (h @ w.T).requires_grad_(True)
+    one = full_kl_surrogate(logits, h_ref @ w_ref.T, tokens, mask, old_logp=old_logp, beta=0.3,
+                            logp=torch.log_softmax(logits, -1).gather(-1, torch.where(mask, tokens, 0)[..., None])[..., 0])
+    torch.testing.assert_close(_grads(one, logits)[0] @ w, expected[0], rtol=1e-10, atol=1e-12)
+
+
+def test_logp_of_another_policy_is_refused():
+    """A logp that is not log softmax(logits) at the sampled tokens (here: a temperature applied to one only) is an
+    error, not a silently wrong gradient; bf16 rounding of the logits is within LOGP_TOLERANCE."""
+    h, w, h_ref, w_ref, tokens, mask, _ = _random_batch(dtype=torch.float32)
+    with pytest.raises(ValueError, match="logp does not match log softmax"):
+        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=_sampled_logp(h / 0.7, w, tokens, mask))
+    rounded = _sampled_logp(h.bfloat16().float(), w.bfloat16().float(), tokens, mask).bfloat16()
+    full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=rounded)
+    with pytest.raises(ValueError, match=r"logp has shape \(3, 5\)"):
+        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=rounded[:, :5])
+    with pytest.raises(TypeError, match="logp must be a floating-point"):
+        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=tokens)
 
 
 def test_statistics_of_the_rollout_batch_sliced_into_micro_batches():
@@ -161,10 +206,12 @@ def test_hidden_path_never_materializes_full_logits():
     h, w, h_ref, w_ref, tokens, mask, old = _random_batch(batch, horizon, vocab, hidden, dtype=torch.float32)
     h.requires_grad_(True)
     w.requires_grad_(True)
-    with _LargestTensor() as probe:
-        loss = full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, old_logp=old, chunk_size=chunk)
-        loss.backward()
-    assert probe.largest <= chunk * vocab <= batch * horizon * vocab // 8
+    for logp in (None, _sampled_logp(h.detach(), w.detach(), tokens, mask).requires_grad_(True)):
+        with _LargestTensor() as probe:
+            loss = full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, old_logp=old, chunk_size=chunk,
+                                                 logp=logp)
+            loss.backward()
+        assert probe.largest <= chunk * vocab <= batch * horizon * vocab // 8
 
 
 def _bad(**change):

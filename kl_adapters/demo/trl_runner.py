@@ -28,6 +28,8 @@ SPECS: dict[str, tuple[dict, str]] = {
     "sequence": (dict(kl_preset="sequence"), "kl-adapters sequence (variance-reduced: leave-one-out over the group)"),
     "sequence-plain": (dict(kl_preset="sequence-plain"), "kl-adapters sequence-plain (without the reductions)"),
     "reward": (dict(kl_preset="reward"), "kl-adapters reward (variance-reduced)"),
+    "full": (dict(kl_preset="full"), "kl-adapters full (exact per-position KL over the vocabulary, leave-one-out "
+             "baseline)"),
     "beta=0": (dict(kl_preset="off", beta=0.0), "no KL term"),
 }
 

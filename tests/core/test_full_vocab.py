@@ -145,6 +145,13 @@ def test_logp_of_another_policy_is_refused():
         full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=_sampled_logp(h / 0.7, w, tokens, mask))
     rounded = _sampled_logp(h.bfloat16().float(), w.bfloat16().float(), tokens, mask).bfloat16()
     full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=rounded)
+    # bf16 hidden states and projection with large logits, sampled tokens the most likely ones (log p near 0, where
+    # the relative tolerance gives nothing): a trainer's float32 log-probs of the same model are accepted beside the
+    # function's rounded bf16 logits (the margin 2 eps max|z| covers the rounding of logits of any size)
+    big, wb = (6 * h).bfloat16(), w.bfloat16()
+    likely = (big.float() @ wb.float().T).argmax(-1)
+    full_kl_surrogate_from_hidden(big, wb, h_ref.bfloat16(), w_ref.bfloat16(), likely, mask,
+                                  logp=_sampled_logp(big.float(), wb.float(), likely, mask))
     with pytest.raises(ValueError, match=r"logp has shape \(3, 5\)"):
         full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=rounded[:, :5])
     with pytest.raises(TypeError, match="logp must be a floating-point"):

@@ -35,8 +35,9 @@ rows=() failed=0
 for target in "$@"; do
   fw=${target%%==*} version=${target#*==}
   if [ "$fw" = "$target" ] || [ ! -d "tests/$fw" ]; then echo "not <framework>==<version>: $target" >&2; exit 2; fi
-  venv=".venvs/$fw-$version" log="$ROOT/.venvs/$fw-$version.compat.log" start=$(date +%s)
-  echo "=== [$target] building $venv"
+  # absolute: the self-test scripts run the interpreter from inside an unpacked sdist (their cwd)
+  venv="$ROOT/.venvs/$fw-$version" log="$ROOT/.venvs/$fw-$version.compat.log" start=$(date +%s)
+  echo "=== [$target] building .venvs/$fw-$version"
   if ! scripts/envs.sh "$target"; then rows+=("$fw|$version|environment failed|-|0"); failed=1; continue; fi
   echo "=== [$target] tests/$fw (guard overridden), log: $log"
   # `bin/pytest` keeps the checkout off sys.path: the tests import the installed kl_adapters (see scripts/test.sh)

@@ -25,8 +25,12 @@ import demo_openrlhf  # noqa: E402
 from demo_checks import REFERENCE_CHECKSUM, kl_part_error, reference_checksum, run_runner, sampled_group  # noqa: E402
 
 from kl_adapters.demo.problem import ToyProblem  # noqa: E402
+from openrlhf_harness import HAS_LOSS_AGG_MODE  # noqa: E402
 
 G = 8
+#: every configuration's arguments (demo_openrlhf.cli_argv) include --actor.loss_agg_mode token-mean
+NEEDS_0_11_2 = pytest.mark.skipif(not HAS_LOSS_AGG_MODE, reason="bench/demo_openrlhf.py passes --actor.loss_agg_mode, "
+                                                                 "which arrived in OpenRLHF 0.11.2")
 
 
 def test_same_reference_policy_as_the_trl_benchmark():
@@ -34,6 +38,7 @@ def test_same_reference_policy_as_the_trl_benchmark():
     assert reference_checksum(ToyProblem()) == pytest.approx(REFERENCE_CHECKSUM, abs=1e-6)
 
 
+@NEEDS_0_11_2
 def test_runner_end_to_end(tmp_path):
     """3 steps, G=8, 1 seed, three configurations (with the gradient check) through the script's own main (in this
     process: --workers 0)."""
@@ -59,6 +64,7 @@ def sampled():
                                                   ("unbiased_gradient", "token", True),
                                                   ("openrlhf-default-k3", "k3-loss", True),
                                                   ("openrlhf-default-k3", "sequence", False), ("beta=0", None, True)])
+@NEEDS_0_11_2
 def test_loss_is_openrlhfs_through_the_adapter(sampled, config, preset, same):
     problem, model, batch = sampled
     loss_fn = demo_openrlhf.OpenRLHFLoss(problem, config, G)

@@ -10,9 +10,10 @@ patches (`TOUCHES`: the patched functions and their modules), and run them three
                  module is loaded; checked by a probe interpreter before the runs (`_loaded_in`)
     flag off     kl-adapters installed as users have it: the verl.plugins entry point patches verl (inert wrappers)
     flag on      KL_ADAPTERS=sequence (every KL path verl's tests drive goes through the adapter's code)
-Every test must have the same outcome (passed / failed / skipped / error) in all three: a table is printed, the exit
-status is 1 otherwise. The unpacked tree's own ``verl/`` package is removed before the runs, so the tests import the
-installed verl (with the adapter's patches) and not the sdist's copy of it.
+Every test must have the same outcome (passed / failed / skipped / error) in all three: a table is printed, then a
+last line PASS or FAIL (the verdict scripts/compat.sh shows); the exit status is 1 on FAIL. The unpacked tree's own
+``verl/`` package is removed before the runs, so the tests import the installed verl (with the adapter's patches) and
+not the sdist's copy of it.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter of the environment to test")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temporary one)")
     args = parser.parse_args(argv)
+    args.python = os.path.abspath(args.python)  # the runs' cwd is the unpacked sdist; not resolved (a venv symlink)
     work = args.work or Path(tempfile.mkdtemp(prefix="verl-selftests-"))
     version = _installed_version(args.python)
     rel = release.release("verl", version)
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mode:9s} " + "  ".join(f"{k} {v}" for k, v in counts.items()))
     for test in differ:
         print("  DIFFERS  " + test + "  " + "  ".join(f"{m}: {results[m].get(test, 'absent')}" for m in MODES))
-    print("same outcome in every mode" if not differ else f"{len(differ)} tests differ")
+    print(f"{'FAIL' if differ else 'PASS'}: {len(ids) - len(differ)}/{len(ids)} upstream CPU tests with the same "
+          f"outcome without kl-adapters, flag off, flag on (verl {version})")
     return 1 if differ else 0
 
 

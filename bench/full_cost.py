@@ -7,14 +7,16 @@ medians against the native path:
               random Llama with a V-token vocabulary (a char tokenizer over V - 4 Unicode characters), three trainers:
               native (TRL's own k3 term, beta > 0), kl_preset="sequence", kl_preset="full".
   kl_term     the KL term alone on random hidden states [B, T, H] and output projections [V, H] of both models,
-              forward + backward: native = both models' logits materialised, log_softmax, the sampled tokens'
-              log-probs, kl_surrogate("sequence"); full = full_kl_surrogate_from_hidden (chunked, no [B, T, V]).
+              forward + backward, both starting from the policy's sampled-token log-probs with their graph (the task
+              loss computes them in either case): native = the reference's logits, log_softmax, its sampled tokens'
+              log-probs, kl_surrogate("sequence"); full = full_kl_surrogate_from_hidden(..., logp=) as the TRL
+              adapter calls it (chunked, one pass, no [B, T, V] of the reference).
 Peak memory: each configuration in its own process, one warm-up call then one measured call (CPU: the highest
 resident set size, /proc/self/statm polled every millisecond by a thread, minus the size before the call; glibc's
 mmap threshold is fixed at 64 KiB in that process, so that tensors are mmap-backed and returned to the system when
 freed; CUDA: torch.cuda.max_memory_allocated minus the allocated size).
 Usage: .venvs/trl/bin/python bench/full_cost.py [--vocab 32000] [--completion 128] [--kl-tokens 8 128] [--kl-chunk 1024]
-       [--repeats 8] [--device cpu|cuda]
+       [--repeats 8] [--device cpu|cuda] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -85,17 +87,17 @@ def kl_term_fn(config: str, batch: int, horizon: int, vocab: int, hidden: int, d
     tokens = torch.randint(0, vocab, (batch, horizon), device=device, generator=gen)
     mask = torch.ones(batch, horizon, device=device)
 
-    def native():
-        logp = torch.log_softmax(h @ w.t(), -1).gather(-1, tokens[..., None])[..., 0]
+    def native(logp):
         with torch.no_grad():
             ref = torch.log_softmax(h_ref @ w_ref.t(), -1).gather(-1, tokens[..., None])[..., 0]
-        kl_surrogate(logp, ref, mask, preset="sequence").backward()
+        return kl_surrogate(logp, ref, mask, preset="sequence")
 
-    def full():
-        full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, chunk_size=chunk_size).backward()
+    def full(logp):
+        return full_kl_surrogate_from_hidden(h, w, h_ref, w_ref, tokens, mask, logp=logp, chunk_size=chunk_size)
 
     def run():
-        (full if config == FULL else native)()
+        logp = torch.log_softmax(h @ w.t(), -1).gather(-1, tokens[..., None])[..., 0]
+        (full if config == FULL else native)(logp).backward()
         h.grad = w.grad = None  # after: a call's memory includes the gradients it makes
 
     return run
@@ -158,6 +160,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", choices=["train_step", "kl_term"], help="run one measurement")
+    parser.add_argument("--note", default="", help="measurement conditions (e.g. other work running)")
     parser.add_argument("--memory-of", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -170,8 +173,7 @@ def main() -> None:
         return
     sync = torch.cuda.synchronize if a.device == "cuda" else None
     model_dir = model_directory(a)
-    result = {"device": a.device, "threads": torch.get_num_threads(), "repeats": a.repeats,
-              "machine": "shared 2-core CPU, other engineers' jobs running" if a.device == "cpu" else a.device}
+    result = {"device": a.device, "threads": torch.get_num_threads(), "repeats": a.repeats, "note": a.note}
     kinds = {"train_step": (NATIVE, SEQUENCE, FULL), "kl_term": (NATIVE, FULL)}
     for kind in [a.only] if a.only else list(kinds):
         configs = kinds[kind]

@@ -163,9 +163,19 @@ def _analyse(report: Report, args, settings) -> None:
         report.fix = _fix(report, args)
 
 
+def _unbiased_gradient(args) -> bool:
+    """--algo.kl.unbiased_gradient, which arrived in OpenRLHF 0.11.1 (0.10.4 / 0.11.0 args have no such attribute)."""
+    return getattr(args.algo.kl, "unbiased_gradient", False)
+
+
+def _loss_agg_mode(args) -> str:
+    """--actor.loss_agg_mode, which arrived in OpenRLHF 0.11.2; before it PolicyLoss is token-mean (gspo aside)."""
+    return getattr(args.actor, "loss_agg_mode", "token-mean")
+
+
 def _loss_path(report: Report, args, coef: float, settings) -> None:
-    kl = args.algo.kl
-    setting = (f"--algo.kl.use_loss, estimator {kl.estimator}, unbiased_gradient={kl.unbiased_gradient}, "
+    kl, unbiased = args.algo.kl, _unbiased_gradient(args)
+    setting = (f"--algo.kl.use_loss, estimator {kl.estimator}, unbiased_gradient={unbiased}, "
                f"init_coef {coef:g}")
     if coef <= 0:
         report.add("zero-coefficient", "no-op", "--algo.kl.use_loss with --algo.kl.init_coef 0: OpenRLHF computes no "
@@ -174,10 +184,10 @@ def _loss_path(report: Report, args, coef: float, settings) -> None:
         report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
                                                                          "openrlhf")))
         return
-    report.paths.append(KLPath("loss", setting, coef, native.openrlhf_loss(kl.estimator, kl.unbiased_gradient)))
+    report.paths.append(KLPath("loss", setting, coef, native.openrlhf_loss(kl.estimator, unbiased)))
     report.add("clamp", "warning", f"OpenRLHF clamps the estimator's value to +-{native.OPENRLHF_VALUE_CLAMP:g}: zero "
                "gradient on tokens beyond it" + (f"; unbiased_gradient caps its weight pi/pi_old at "
-                                                 f"{native.OPENRLHF_IS_WEIGHT_CLIP:g}" if kl.unbiased_gradient else ""))
+                                                 f"{native.OPENRLHF_IS_WEIGHT_CLIP:g}" if unbiased else ""))
     report.add("token-mean", "warning", "the KL loss is a global token mean: beta is per token and its weight per "
                "sequence changes with the batch's total length")
 
@@ -204,7 +214,7 @@ def _reward_path(report: Report, args, coef: float, settings) -> None:
     if adv.estimator in ("gae", "reinforce", "reinforce_baseline") and not adv.no_std_norm:
         report.add("std-normalized-reward", "warning", "advantages (KL included) are whitened over the batch: beta "
                    "is divided by the batch's advantage std (direction kept, strength varies per batch)")
-    if args.actor.loss_agg_mode == "seq-mean-token-mean" or args.actor.policy_loss_type == "gspo":
+    if _loss_agg_mode(args) == "seq-mean-token-mean" or args.actor.policy_loss_type == "gspo":
         report.add("length-normalized", "bias", "seq-mean-token-mean (forced by gspo) divides each sequence's KL "
                    "return by its length in the policy loss: a length-normalized KL")
 
@@ -217,9 +227,9 @@ def _fix(report: Report, args) -> Fix:
         lines = ["python -m kl_adapters.adapters.openrlhf_cli <your train_ppo_ray arguments> --algo.kl.preset reward",
                  *coef]
         lines += [] if kl.estimator == "k1" else ["--algo.kl.estimator k1"]
-        lines += [] if args.actor.loss_agg_mode == "token-mean" else ["--actor.loss_agg_mode token-mean"]
+        lines += [] if _loss_agg_mode(args) == "token-mean" else ["--actor.loss_agg_mode token-mean"]
         return Fix("reward", tuple(lines), BETA_REWARD)
     lines = ["python -m kl_adapters.adapters.openrlhf_cli <your train_ppo_ray arguments> --algo.kl.preset sequence",
              "--algo.kl.use_loss", *coef]
-    lines += ["(drop --algo.kl.unbiased_gradient)"] if kl.unbiased_gradient else []
+    lines += ["(drop --algo.kl.unbiased_gradient)"] if _unbiased_gradient(args) else []
     return Fix("sequence", tuple(lines), BETA_LOSS)

@@ -10,17 +10,14 @@ and the mean and covariance trace of the gradient of a batch of 2 are computed e
 i != j). Reported: each configuration's trace relative to `sequence-plain` at the same state (and the relative bias
 of the KL-only mean against grad KL, which must be ~1e-6 for the unbiased presets). Batches of 2 make the
 leave-one-out statistics of the reduced presets as noisy as they get; the demo trains with groups of 256.
-
-Why "total" can rank differently from "kl": at pi*, r(y) - beta log(pi/pi_ref)(y) is the same for every y, so the
-sampled-token KL return sum_s k1_s moves with the reward sample by sample and cancels part of its noise; `full` swaps
-the sampled k1_s for the exact KL_s, removing that cancellation along with the sampling noise.
+"total" can rank the configurations differently from "kl": the KL term's noise is correlated with the reward's (at
+pi*, r(y) - beta log(pi/pi_ref)(y) is the same for every y).
 Usage: .venvs/trl/bin/python bench/demo_gradient_variance.py [--states 40 150 400] [--configs ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -38,21 +35,9 @@ CONFIGS = ("sequence-plain", "sequence", "full", "trl-default")
 
 def moments(problem: ToyProblem, model, ref_tok: torch.Tensor, loss_fn, scale, with_task: bool):
     """Exact (mean, covariance trace) of the batch-of-2 gradient, flattened, float64."""
-    with torch.no_grad():
-        logp = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
-    prob = logp.double().sum(-1).exp()
-    params = list(model.parameters())
-    mean, second = None, 0.0
-    for rows, weight in gradient_check._batches(prob, 2):
-        batch = gradient_check.enumerated_batch(problem, rows, logp, ref_tok)
-        if with_task:
-            r = problem.rewards[rows].float()
-            batch = dataclasses.replace(batch, rewards=r, advantages=r - r.mean())
-        grads = torch.autograd.grad(loss_fn(model, batch), params, allow_unused=True)
-        g = torch.cat([(torch.zeros_like(q) if x is None else x).flatten().double() for x, q in zip(grads, params)])
-        g = g / (scale(batch) * 2)
-        mean = weight * g if mean is None else mean + weight * g
-        second += weight * float(g @ g)
+    mean, second = 0.0, 0.0
+    for weight, g in gradient_check.batch_gradients(problem, model, ref_tok, loss_fn, scale, 2, with_task=with_task):
+        mean, second = mean + weight * g, second + weight * float(g @ g)
     return mean, second - float(mean @ mean)
 
 

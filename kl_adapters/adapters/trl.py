@@ -54,8 +54,8 @@ the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL
     ``full_kl_surrogate_from_hidden(h, W / temperature, h_ref, W_ref / temperature, completion_ids, mask,
     beta=beta_seq, old_logp=behaviour_logp, logp=per_token_logps)`` (W the output projection): chunked over tokens,
     so [B, T, V] logits of neither model are materialised; TRL's own per-token log-probs (with their graph) carry the
-    score part of the gradient, so each chunk's logits are computed once. beta_seq and the behaviour log-probs are those of the other presets; the
-    baseline is leave-one-out over the micro-batch's rows (rollout-time statistics would need the exact KL_t of the
+    score part of the gradient, so each chunk's logits are computed once. beta_seq and the behaviour log-probs are
+    those of the other presets; the baseline is leave-one-out over the micro-batch's rows (rollout-time statistics would need the exact KL_t of the
     whole generation batch, i.e. the very reference pass this preset removes from generation).
   * metrics: ``kl`` = token mean of the (importance-weighted) exact KL_t, ``kl_adapters/seq_kl`` its per-sequence sum.
   Refused (clear error): kl_is_clip (the estimator applies exact weights), models whose logits are not

@@ -70,21 +70,26 @@ def expected_kl_gradient(problem: ToyProblem, model: torch.nn.Module, ref_logp: 
                          scale: Callable[[Batch], float], batch_rows: int) -> Tensor:
     """E[g] (module docstring) of `loss_fn` at the model's current policy, by enumerating every batch of
     `batch_rows` (1 or 2) completions. `ref_logp` is the [N, T] per-token log pi_ref of every completion."""
+    return sum(weight * g for weight, g in batch_gradients(problem, model, ref_logp, loss_fn, scale, batch_rows))
+
+
+def batch_gradients(problem: ToyProblem, model: torch.nn.Module, ref_logp: Tensor, loss_fn: LossFn,
+                    scale: Callable[[Batch], float], batch_rows: int, *, with_task: bool = False
+                    ) -> Iterator[tuple[float, Tensor]]:
+    """(probability, g) of every batch of `batch_rows` (1 or 2) completions at the model's current policy: g the
+    flattened float64 gradient of `loss_fn` divided by scale(batch) * batch_rows (the batch's per-row estimate).
+    Advantages are zero (the KL term alone), or with_task the batch's GRPO advantages r_i - mean_j r_j."""
     if batch_rows not in (1, 2):
         raise ValueError(f"batch_rows must be 1 (every completion) or 2 (every pair), got {batch_rows}")
     with torch.no_grad():
         logp = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
     p = logp.double().sum(-1).exp()
     params = list(model.parameters())
-    total = [torch.zeros_like(q, dtype=torch.float64) for q in params]
     for rows, weight in _batches(p, batch_rows):
-        batch = enumerated_batch(problem, rows, logp, ref_logp)
+        batch = enumerated_batch(problem, rows, logp, ref_logp, with_task=with_task)
         grads = torch.autograd.grad(loss_fn(model, batch), params, allow_unused=True)
-        factor = weight / (scale(batch) * batch_rows)
-        for acc, g in zip(total, grads):
-            if g is not None:
-                acc.add_(g.double(), alpha=factor)
-    return torch.cat([t.flatten() for t in total])
+        g = torch.cat([(torch.zeros_like(q) if x is None else x).flatten().double() for x, q in zip(grads, params)])
+        yield weight, g / (scale(batch) * batch_rows)
 
 
 def batch_rows(preset: str | None) -> int:
@@ -135,11 +140,14 @@ def _percent(x: float) -> str:
     return f"{100 * x:.1f}%" if x >= 1e-3 else f"{x:.0e}"
 
 
-def enumerated_batch(problem: ToyProblem, rows: Tensor, logp: Tensor, ref_logp: Tensor) -> Batch:
-    """The completions `rows` as a Batch with zero rewards and advantages (only a KL term has a gradient)."""
-    zeros = torch.zeros(len(rows))
+def enumerated_batch(problem: ToyProblem, rows: Tensor, logp: Tensor, ref_logp: Tensor, *,
+                     with_task: bool = False) -> Batch:
+    """The completions `rows` as a Batch with zero rewards and advantages (only a KL term has a gradient), or with_task
+    their rewards and GRPO advantages r_i - mean_j r_j."""
+    rewards = problem.rewards[rows].float() if with_task else torch.zeros(len(rows))
     return Batch(input_ids=enumerated_input_ids(problem)[rows], completion_mask=problem.space.mask[rows],
-                 rewards=zeros, advantages=zeros, old_logp=logp[rows], ref_logp=ref_logp[rows])
+                 rewards=rewards, advantages=rewards - rewards.mean() if with_task else rewards,
+                 old_logp=logp[rows], ref_logp=ref_logp[rows])
 
 
 def _batches(p: Tensor, batch_rows: int) -> Iterator[tuple[Tensor, float]]:

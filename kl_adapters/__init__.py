@@ -5,7 +5,8 @@ Public API (stable names):
     kl_statistics(logp, ref_logp, mask, *, old_logp=None, group=None) -> KLStatistics   leave-one-out batch statistics
     kl_term(...) -> KLTerm                                         one validated pass: loss term, weights, metrics
     kl_reward, kl_coefficients, sequence_kl, per_sequence_beta    KL reward tensor, gradient weights, diagnostics
-    PRESETS, RECOMMENDED, get_preset, Preset                       the preset registry and its metadata
+    PRESETS, SAMPLED_TOKEN_PRESETS, RECOMMENDED, get_preset, Preset   the preset registry (every preset, `full` too)
+    full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics   preset `full`: exact KL over the vocabulary
     enable(preset), disable(), active()                           switch the framework adapters on/off (or KL_ADAPTERS=)
 
 Names are resolved lazily so that the import hook (`kl_adapters.autoload`, run from a .pth file when KL_ADAPTERS is
@@ -30,6 +31,10 @@ _EXPORTS = {
     "sequence_kl": "surrogate",
     "per_sequence_beta": "surrogate",
     "PRESETS": "presets",
+    "SAMPLED_TOKEN_PRESETS": "presets",
+    "full_kl_surrogate": "full_vocab",
+    "full_kl_surrogate_from_hidden": "full_vocab",
+    "full_statistics": "full_vocab",
     "RECOMMENDED": "presets",
     "Preset": "presets",
     "get_preset": "presets",
@@ -41,7 +46,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import active, disable, enable
-    from .presets import PRESETS, RECOMMENDED, Preset, get_preset
+    from .full_vocab import full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics
+    from .presets import PRESETS, RECOMMENDED, SAMPLED_TOKEN_PRESETS, Preset, get_preset
     from .reductions import KLStatistics
     from .surrogate import (KLTerm, kl_coefficients, kl_reward, kl_statistics, kl_surrogate, kl_term,
                             per_sequence_beta, sequence_kl)

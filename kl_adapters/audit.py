@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .presets import PRESETS, Preset, get_preset
+from .presets import PRESETS, SAMPLED_TOKEN_PRESETS, Preset, get_preset
 from .surrogate import kl_coefficients, kl_statistics, kl_surrogate
 
 DTYPE = torch.float64
@@ -284,7 +284,7 @@ def audit(
     """
     pol = random_policies(vocab, horizon, seed, drift=drift, off_policy=off_policy)
     kl = float(kl_seq(pol.space, pol.logits, pol.ref_logits))
-    runs = [(name, regime, None) for name in (presets or tuple(PRESETS)) for regime in ("on-policy", "off-policy")]
+    runs = [(name, regime, None) for name in (presets or tuple(SAMPLED_TOKEN_PRESETS)) for regime in ("on-policy", "off-policy")]
     if is_clip is not None:
         runs.append(("sequence", "off-policy", is_clip))
     rows, cache = [], {}

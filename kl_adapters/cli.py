@@ -27,9 +27,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from .presets import FULL, PRESETS
-
-    listed = {**PRESETS, FULL.name: FULL}  # `full` too, though kl_surrogate (sampled tokens) cannot compute it
+    from .presets import PRESETS as listed
     if args.json:
         json.dump({n: {k: v for k, v in p.__dict__.items() if k != "coefficients"} for n, p in listed.items()},
                   sys.stdout, indent=2)

@@ -313,9 +313,8 @@ def _needs_full_logits(t: Terms) -> Tensor:
     raise ValueError(FULL_REFUSAL)
 
 
-#: The Rao-Blackwellized preset (full_vocab.py states its gradient; tests/core/test_full_vocab.py pins it). Looked up
-#: by `get_preset` (so KL_ADAPTERS=full and kl_preset="full" parse) but not in PRESETS, the sampled-token registry that
-#: kl_surrogate and the exact audit iterate: its weight is not a function of sampled-token log-probs.
+#: The Rao-Blackwellized preset (full_vocab.py states its gradient; tests/core/test_full_vocab.py pins it). In PRESETS,
+#: not in SAMPLED_TOKEN_PRESETS: its weight is not a function of sampled-token log-probs.
 FULL = Preset(
     name="full",
     summary="Exact per-position KL over the vocabulary (Rao-Blackwellized) plus its future-KL score term with a "
@@ -335,19 +334,20 @@ FULL = Preset(
     needs_full_logits=True,
 )
 
-#: the sampled-token presets (kl_surrogate computes them; the audit enumerates them); `full` is FULL, not in here
-PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
+#: every preset by name, `full` included: the one registry that the API, the commands, the adapters and the doctor read
+PRESETS: dict[str, Preset] = {p.name: p for p in (*_ALL, FULL)}
+#: the presets whose weight is a function of sampled-token log-probs: kl_surrogate / kl_term compute them and the exact
+#: audit enumerates them (`full` needs both models' full next-token distributions: kl_adapters.full_vocab)
+SAMPLED_TOKEN_PRESETS: dict[str, Preset] = {n: p for n, p in PRESETS.items() if not p.needs_full_logits}
 #: presets a user should pick: unbiased for the sequence KL (on-policy at least)
 RECOMMENDED = ("sequence", "reward")
 
 
 def get_preset(name: str | Preset) -> Preset:
-    """Look a preset up by name (PRESETS, or `full`: FULL); an unknown name raises ValueError listing the valid ones."""
+    """Look a preset up by name in PRESETS; an unknown name raises ValueError listing the valid ones."""
     if isinstance(name, Preset):
         return name
-    if name == FULL.name:
-        return FULL
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown KL preset {name!r}; valid presets: {', '.join([*PRESETS, FULL.name])}") from None
+        raise ValueError(f"unknown KL preset {name!r}; valid presets: {', '.join(PRESETS)}") from None

@@ -265,15 +265,17 @@ def group_ids(trainer: GRPOTrainer, rows: int) -> torch.Tensor:
     return torch.div(torch.arange(start, start + rows), mode_generations, rounding_mode="floor")
 
 
-def rollout_statistics(trainer: GRPOTrainer, batch: dict) -> KLStatistics | None:
-    """`kl_statistics` of the whole generation batch, leave-one-out within each GRPO group, from the log-probs TRL
-    has at rollout time (`rollout_logps`); None when it has none. Row b's statistics depend on the other rows only."""
+def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str) -> KLStatistics | None:
+    """`kl_statistics(..., preset=preset)` of the whole generation batch, leave-one-out within each GRPO group, from
+    the log-probs TRL has at rollout time (`rollout_logps`); None when it has none. Row b's statistics depend on the
+    other rows only. They are taken on-policy (no old_logp: the rollout log-probs are the policy that sampled), where
+    `Preset.weighted_returns` has no effect, so `sequence` and `reward` get identical statistics here."""
     logps = rollout_logps(batch)
     if logps is None or batch.get("ref_per_token_logps") is None:
         return None
     logp, mask = logps
     group = group_ids(trainer, logp.shape[0]).to(logp.device)
-    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group)
+    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group, preset=preset)
 
 
 def statistics_of(inputs: dict) -> KLStatistics | None:
@@ -296,7 +298,7 @@ def _generate_with_statistics(original, self, generation_batch):
     batch = original(self, generation_batch)
     if self.beta == 0.0 or not _uses_statistics(settings):
         return batch
-    statistics = rollout_statistics(self, batch)
+    statistics = rollout_statistics(self, batch, settings.preset)
     if statistics is not None:
         for field, key in ROLLOUT_STATISTICS_KEYS.items():
             value = getattr(statistics, field)

@@ -11,11 +11,11 @@ precomputed by kl_statistics on the same rows (the rollout-time path).
 import pytest
 import torch
 
-from kl_adapters import PRESETS, kl_coefficients, kl_statistics
+from kl_adapters import SAMPLED_TOKEN_PRESETS, kl_coefficients, kl_statistics
 from kl_adapters.audit import batch_moments, preset_moments, random_policies, relative_error, targets, token_logps
 
 PROBLEMS = [(3, 3, 0, 1.0), (3, 3, 1, 0.2), (4, 2, 2, 0.6)]  # (vocab incl. EOS, horizon, seed, drift): ragged lengths
-REDUCED = [n for n, p in PRESETS.items() if p.uses_batch_statistics]
+REDUCED = [n for n, p in SAMPLED_TOKEN_PRESETS.items() if p.uses_batch_statistics]
 
 
 @pytest.fixture(scope="module", params=PROBLEMS, ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}d{p[3]}")
@@ -30,7 +30,7 @@ def problem(request):
 def _cases():
     for name in REDUCED:
         for regime in ("on-policy", "off-policy"):
-            if regime == "off-policy" and not PRESETS[name].unbiased_off_policy:
+            if regime == "off-policy" and not SAMPLED_TOKEN_PRESETS[name].unbiased_off_policy:
                 continue
             for g in (1, 2, 3):
                 yield name, regime, g, None, False
@@ -55,11 +55,11 @@ def test_reward_presets_are_biased_off_policy_at_every_batch_size(problem, name)
     assert relative_error(mean, tg["off-policy"]) > 1e-3
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", list(SAMPLED_TOKEN_PRESETS))
 def test_one_sequence_batches_agree_with_the_autograd_audit(name):
     """batch_moments (closed-form scores) at G = 1 equals preset_moments (autograd through kl_surrogate)."""
     pol = random_policies(3, 3, 5, drift=0.7, off_policy=0.5)
-    behaviour = pol.behaviour_logits if PRESETS[name].uses_importance_weights else None
+    behaviour = pol.behaviour_logits if SAMPLED_TOKEN_PRESETS[name].uses_importance_weights else None
     mean, var = batch_moments(pol.space, pol.logits, pol.ref_logits, name, 1, behaviour_logits=behaviour)
     ref = preset_moments(pol.space, pol.logits, pol.ref_logits, name, behaviour_logits=behaviour)
     assert float((mean - ref.mean).norm()) < 1e-12 * max(1.0, float(ref.mean.norm()))  # k1-loss: E[g] = 0

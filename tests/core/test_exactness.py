@@ -15,7 +15,7 @@ Identities pinned here (theory notes, configuration table rows in brackets):
 import pytest
 import torch
 
-from kl_adapters import PRESETS, kl_surrogate
+from kl_adapters import SAMPLED_TOKEN_PRESETS, kl_surrogate
 from kl_adapters.audit import (
     audit,
     kl_seq,
@@ -58,14 +58,14 @@ def test_targets_are_distinct(problem):
 
 
 def _documented_target(name, regime):
-    spec = PRESETS[name]
+    spec = SAMPLED_TOKEN_PRESETS[name]
     return spec.target_on_policy if regime == "on-policy" else spec.target_off_policy
 
 
-@pytest.mark.parametrize(("name", "regime"), [(n, r) for n in PRESETS for r in REGIMES if _documented_target(n, r)])
+@pytest.mark.parametrize(("name", "regime"), [(n, r) for n in SAMPLED_TOKEN_PRESETS for r in REGIMES if _documented_target(n, r)])
 def test_expected_gradient_matches_documented_target(problem, name, regime):
     pol, tg = problem
-    spec = PRESETS[name]
+    spec = SAMPLED_TOKEN_PRESETS[name]
     target = _documented_target(name, regime)
     mom = preset_moments(pol.space, pol.logits, pol.ref_logits, name,
                          behaviour_logits=pol.behaviour_logits if regime == "off-policy" else None)
@@ -74,7 +74,7 @@ def test_expected_gradient_matches_documented_target(problem, name, regime):
     assert (relative_error(mom.mean, tg[regime]["kl_seq"]) < 1e-6) == unbiased
 
 
-@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.unbiased_off_policy])
+@pytest.mark.parametrize("name", [n for n, p in SAMPLED_TOKEN_PRESETS.items() if not p.unbiased_off_policy])
 def test_presets_documented_biased_off_policy_are_biased(problem, name):
     pol, tg = problem
     mom = preset_moments(pol.space, pol.logits, pol.ref_logits, name, behaviour_logits=pol.behaviour_logits)
@@ -145,7 +145,7 @@ LITERAL = ["k1-loss", "k2-loss", "k3-loss", "token", "k3-reward", "reward-plain"
 def test_per_sample_gradient_equals_literal_framework_loss(name):
     theta, lp, ref, old, m = _enumerated(7)
     zero = torch.zeros((), dtype=lp.dtype)
-    off = PRESETS[name].uses_importance_weights
+    off = SAMPLED_TOKEN_PRESETS[name].uses_importance_weights
     for i in [0, 5, 17, 60, 120]:
         row = slice(i, i + 1)
         lit = _literal_losses(lp[row], torch.where(m[row], ref[row], zero), torch.where(m[row], old[row], zero))[name]
@@ -156,7 +156,7 @@ def test_per_sample_gradient_equals_literal_framework_loss(name):
 
 
 def test_literal_losses_cover_every_plain_preset():
-    assert set(LITERAL) | {"sequence-plain"} == {n for n, p in PRESETS.items() if not p.uses_batch_statistics}
+    assert set(LITERAL) | {"sequence-plain"} == {n for n, p in SAMPLED_TOKEN_PRESETS.items() if not p.uses_batch_statistics}
 
 
 def test_sequence_off_policy_equals_theory_form():

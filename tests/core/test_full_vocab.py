@@ -269,3 +269,17 @@ def test_hidden_path_checks_projection_shapes():
         full_kl_surrogate_from_hidden(h, w[:, :3], h_ref, w_ref, tokens, mask)
     with pytest.raises(ValueError, match="ref_weight has"):
         full_kl_surrogate_from_hidden(h, w, h_ref, w_ref[:5], tokens, mask)
+
+
+def test_one_registry_holds_full_and_the_api_exports_it():
+    """`full` is in kl_adapters.PRESETS (the registry every command, adapter and the API read), not in the
+    sampled-token view that kl_surrogate computes; its functions are exported at the top level."""
+    import kl_adapters
+    from kl_adapters.presets import get_preset
+
+    assert kl_adapters.PRESETS["full"] is get_preset("full") and "full" not in kl_adapters.SAMPLED_TOKEN_PRESETS
+    assert set(kl_adapters.SAMPLED_TOKEN_PRESETS) == {n for n, p in kl_adapters.PRESETS.items()
+                                                       if not p.needs_full_logits}
+    assert kl_adapters.full_kl_surrogate is full_kl_surrogate and "full_kl_surrogate_from_hidden" in dir(kl_adapters)
+    with pytest.raises(ValueError, match="full next-token distributions"):
+        kl_adapters.kl_surrogate(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), preset="full")

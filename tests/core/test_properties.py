@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kl_adapters import PRESETS, kl_coefficients, kl_reward, kl_surrogate, sequence_kl
+from kl_adapters import SAMPLED_TOKEN_PRESETS, kl_coefficients, kl_reward, kl_surrogate, sequence_kl
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -36,7 +36,7 @@ def _grad(lp, ref, mask, old, **kw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(batch=batches(), name=st.sampled_from(list(PRESETS)), beta=st.floats(0, 3))
+@given(batch=batches(), name=st.sampled_from(list(SAMPLED_TOKEN_PRESETS)), beta=st.floats(0, 3))
 def test_output_scalar_wide_dtype_and_gradient_is_beta_over_b_times_coefficients(batch, name, beta):
     lp, ref, mask, old = batch
     out, g = _grad(lp, ref, mask, old, preset=name, beta=beta)
@@ -50,7 +50,7 @@ def test_output_scalar_wide_dtype_and_gradient_is_beta_over_b_times_coefficients
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch=batches(), name=st.sampled_from(list(PRESETS)))
+@given(batch=batches(), name=st.sampled_from(list(SAMPLED_TOKEN_PRESETS)))
 def test_padding_junk_is_never_read(batch, name):
     lp, ref, mask, old = batch
     pad = ~mask.bool()
@@ -61,7 +61,7 @@ def test_padding_junk_is_never_read(batch, name):
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch=batches(), name=st.sampled_from(list(PRESETS)), extra=st.integers(1, 3))
+@given(batch=batches(), name=st.sampled_from(list(SAMPLED_TOKEN_PRESETS)), extra=st.integers(1, 3))
 def test_extra_padding_columns_and_batch_order_do_not_matter(batch, name, extra):
     lp, ref, mask, old = batch
     out, g = _grad(lp, ref, mask, old, preset=name)
@@ -131,7 +131,7 @@ def test_k3_has_no_cancellation_near_zero_and_no_gradient_clamp():
     assert torch.allclose(k3(x).double(), (x.double() ** 2) / 2, rtol=1e-3)  # exp(d)-d-1 would give 0 or < 0
     lp = torch.tensor([[-60.0, -0.1]], requires_grad=True)  # pi << pi_ref: k1 = -60, exp(60) would overflow k3 in fp16
     ref = torch.tensor([[-0.01, -0.1]])
-    for name in PRESETS:
+    for name in SAMPLED_TOKEN_PRESETS:
         lp.grad = None
         kl_surrogate(lp, ref, torch.ones(1, 2), preset=name).backward()
         assert torch.all(torch.isfinite(lp.grad)) and lp.grad[0, 0] != 0, name  # no silent zeroing

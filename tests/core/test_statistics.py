@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kl_adapters import KLStatistics, PRESETS, kl_coefficients, kl_statistics, kl_surrogate, kl_term
+from kl_adapters import KLStatistics, SAMPLED_TOKEN_PRESETS, kl_coefficients, kl_statistics, kl_surrogate, kl_term
 
-REDUCED = [n for n, p in PRESETS.items() if p.uses_batch_statistics]
+REDUCED = [n for n, p in SAMPLED_TOKEN_PRESETS.items() if p.uses_batch_statistics]
 
 
 def _batch(seed=0, B=5, T=7, lengths=(7, 3, 5, 1, 6), off=0.2):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from verl_cases import Case, R, actor_config, flat_grad, flat_log_probs, padded
 
-from kl_adapters import PRESETS, activation, kl_statistics, kl_surrogate, per_sequence_beta, sequence_kl
+from kl_adapters import SAMPLED_TOKEN_PRESETS, activation, kl_statistics, kl_surrogate, per_sequence_beta, sequence_kl
 from kl_adapters.adapters import verl as verl_adapter
 
 #: verl 0.8.0's agg_loss has no "token-sum" mode (verl raises ValueError for it; 0.9.0 added it, times dp_size)
@@ -49,7 +49,7 @@ def on_policy():
 
 @pytest.mark.compat
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", sorted(SAMPLED_TOKEN_PRESETS))
 def test_gradient_is_task_plus_kl_surrogate(off_policy, preset, mode):
     """ppo_loss called on its own (no actor update around it): the reduced presets take their statistics from this
     batch, leave-one-out over its rows, as kl_surrogate does by default."""

@@ -10,8 +10,10 @@
 #
 # A wheelhouse holds exactly the pins of envs/gpu-<fw>.txt (each one a pin of the CPU suite, envs/<fw>.txt; the
 # device image has the rest: envs/device-image.txt), built for CPython 3.12 manylinux x86_64, plus a wheel of
-# kl-adapters itself. deepspeed has no wheel on the index: it is built here from its sdist with its ops left to JIT
-# (DS_BUILD_OPS=0). Ray is not carried (a 74 MB wheel): tests/device_image/ray_stub stands in for its import.
+# kl-adapters itself. deepspeed and antlr4-python3-runtime have no wheel on the index: they are built here from their
+# sdists (deepspeed with its ops left to JIT, DS_BUILD_OPS=0). prepare needs only Python >= 3.10 with pip and a package
+# index (no environment of this checkout). Ray is not carried (a 74 MB wheel): tests/device_image/ray_stub stands in
+# for its import.
 # tests/device_image/prove.sh checks the wheelhouses without a GPU.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,9 +47,10 @@ prepare() {
     local built="$dir/.build-${spec%%==*}" stem=${spec%%==*}
     ls "$dir/${stem//-/_}-${spec#*==}-"*.whl >/dev/null 2>&1 && continue
     rm -rf "$built" && mkdir -p "$built"
-    # deepspeed's setup.py imports torch: build with the OpenRLHF suite's environment (torch present), no isolation
-    DS_BUILD_OPS=0 "${DS_BUILD_PYTHON:-$ROOT/.venvs/openrlhf/bin/python}" -m pip wheel -q \
-      --disable-pip-version-check --no-deps --no-build-isolation --no-binary :all: -w "$built" "$spec"
+    # pip's isolated build environment, without torch: deepspeed's setup.py then records no torch build and leaves
+    # every op to the JIT, exactly as `pip install deepspeed` built it for the CPU suite (scripts/envs.sh); nothing
+    # of this checkout's environments is needed
+    DS_BUILD_OPS=0 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-binary :all: -w "$built" "$spec"
     mv "$built"/*.whl "$dir/" && rm -rf "$built"
   done
   rm -f "$dir"/kl_adapters-*.whl

@@ -17,11 +17,18 @@ __all__ = ["FRAMEWORKS", "SCHEMA", "DoctorError", "Report", "diagnose", "format_
 def diagnose(framework: str, argv: list[str], **options) -> Report:
     """The doctor's report on `argv` (the framework's arguments, a config file or a launch script; see each reader).
 
-    Raises DoctorError when the configuration cannot be read (the CLI's exit code 2)."""
+    Raises DoctorError, and only DoctorError, when the configuration cannot be read (the CLI's exit code 2): each
+    reader names what it cannot read; any other exception becomes a one-line DoctorError here."""
     if framework not in FRAMEWORKS:
         raise DoctorError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     reader = importlib.import_module(f".{framework}", __name__)
     try:
         return reader.read(list(argv), **options)
+    except DoctorError as err:  # a framework's own message may span lines
+        message = str(err)
     except ImportError as err:  # the framework is installed but a module its parser needs is not
-        raise DoctorError(f"{framework}'s configuration code could not be imported: {err}") from None
+        message = f"{framework}'s configuration code could not be imported: {err}"
+    except Exception as err:  # what no reader anticipated: one line for the user, never a traceback
+        message = (f"the doctor could not read it ({type(err).__name__}: {err}); please report this command line to "
+                   "kl-adapters")
+    raise DoctorError(" ".join(message.split()))

@@ -4,9 +4,11 @@ script running ``openrlhf.cli.train_ppo_ray`` (its arguments extracted by `shell
 OpenRLHF builds its parser inside ``if __name__ == "__main__":`` of openrlhf/cli/train_ppo_ray.py, after importing
 Ray, vLLM and flash-attn. The reader runs that block of the installed file (its parser, ``hierarchize`` and the
 argument validation that follows) with only the file's standard-library imports, and stops before ``train(args)``:
-no Ray, GPU or model. kl-adapters' ``--algo.kl.preset`` (the openrlhf_cli wrapper's flag) and KL_ADAPTERS (the
-script's environment) are read as the adapter reads them; its refusals (`kl_adapters.adapters.openrlhf.check_args`)
-are reported as hazards.
+no Ray, GPU or model. Arguments its validation needs but the KL analysis never reads (a reward source) get a neutral
+placeholder when absent (`PLACEHOLDERS`, reported in the notes), so a partial command line such as ``--algo.kl.use_loss
+--algo.kl.estimator k3`` is enough; any other argument its validation fails on is named. kl-adapters'
+``--algo.kl.preset`` (the openrlhf_cli wrapper's flag) and KL_ADAPTERS (the script's environment) are read as the
+adapter reads them; its refusals (`kl_adapters.adapters.openrlhf.check_args`) are reported as hazards.
 
 KL paths (`kl_adapters.native`): the loss (``--algo.kl.use_loss``: compute_approx_kl differentiated, global token
 mean, times init_coef) or the reward (default: -init_coef * k_t per token, returns with gamma, or GAE).
@@ -20,8 +22,11 @@ import ast
 import contextlib
 import importlib.util
 import io
+import linecache
 import os
+import re
 import sys
+import traceback
 from pathlib import Path
 
 from .. import native
@@ -48,10 +53,13 @@ def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True
     preset_flag, args_in = _strip_flag(command.args)
     report = Report("openrlhf", version, " ".join(argv) or "(OpenRLHF defaults)", unresolved=command.unresolved)
     report.check_version()
-    args, printed, unknown = parse(args_in, strict=strict)
+    args, printed, unknown, filled = parse(args_in, strict=strict)
     if unknown:
         report.add("unknown-arguments", "warning", f"OpenRLHF {version} refuses these arguments (written for another "
                    f"release?), read past them: {' '.join(unknown)}")
+    if filled:
+        report.notes.append(f"placeholder for {', '.join(filled)} (OpenRLHF's validation wants one; the KL analysis "
+                            "does not read it)")
     report.notes += [f"OpenRLHF: {line}" for line in printed]
     flag = preset_flag if preset_flag is not None else command.variables.get(ENV_VAR)
     _analyse(report, args, settings_or_error(flag, FLAG if preset_flag is not None else ENV_VAR))
@@ -65,20 +73,45 @@ def _strip_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return known.preset, rest
 
 
-def parse(argv: list[str], strict: bool = True) -> tuple[argparse.Namespace, list[str], list[str]]:
+#: Arguments OpenRLHF's validation needs but the KL analysis never reads, with a neutral value filled in when the
+#: command line gives none of their alternatives: (flag, placeholder, alternatives). A reward source: with the default
+#: `gae` estimator OpenRLHF derives the critic's path from the reward model's (AttributeError on None), and
+#: --eval.dataset and dynamic filtering assert one.
+PLACEHOLDERS = (
+    ("--reward.remote_url", "kl-adapters-doctor-placeholder",
+     ("--reward.model_name_or_path", "--reward.remote_url", "--train.agent_func_path")),
+)
+_PARSE = "_kl_adapters_parse_args"  # what `args = parser.parse_args()` calls instead (see parse)
+
+
+def parse(argv: list[str], strict: bool = True) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
     """OpenRLHF's own parsing and validation of train_ppo_ray arguments (see the module docstring): (args, the lines
-    it printed, the arguments it does not know). DoctorError on an argparse error or a failed assertion; with
-    strict=False its ``parser.parse_args()`` becomes ``parse_known_args()`` and unknown arguments are returned."""
+    it printed, the arguments it does not know, the PLACEHOLDERS flags filled in). DoctorError on an argparse error
+    or a failed validation, naming what it lacks; with strict=False unknown arguments are returned, not refused."""
     spec = importlib.util.find_spec("openrlhf.cli.train_ppo_ray")
     path = Path(spec.origin)
     tree = ast.parse(path.read_text(), str(path))
     main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     if len(main) != 1:
         raise DoctorError(f"{path} has no `if __name__ == '__main__':` block to read its parser from")
-    body = [s if strict else _known_args_only(s) for s in main[0].body if not _starts_training(s)]
+    body = [_parse_call(s) for s in main[0].body if not _starts_training(s)]
+    if not any(ast.unparse(s) == f"args = {_PARSE}(parser)" for s in body):
+        raise DoctorError(f"{path}: no `args = parser.parse_args()` in its `__main__` block to read")
     stdlib = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and _stdlib(n)]
     code = compile(ast.fix_missing_locations(ast.Module(body=stdlib + body, type_ignores=[])), str(path), "exec")
-    namespace = {"__name__": "kl_adapters_doctor", "__file__": str(path)}
+    parsed: dict[str, list[str]] = {}
+
+    def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+        given = {a.split("=", 1)[0] for a in argv}
+        parsed["filled"] = [w for flag, value, alternatives in PLACEHOLDERS
+                            if flag in parser._option_string_actions and not given & set(alternatives)
+                            for w in (flag, value)]
+        if strict:
+            return parser.parse_args([*argv, *parsed["filled"]])
+        args, parsed["unknown"] = parser.parse_known_args([*argv, *parsed["filled"]])
+        return args
+
+    namespace = {"__name__": "kl_adapters_doctor", "__file__": str(path), _PARSE: parse_args}
     out, err = io.StringIO(), io.StringIO()
     saved = sys.argv
     sys.argv = ["train_ppo_ray", *argv]
@@ -88,23 +121,52 @@ def parse(argv: list[str], strict: bool = True) -> tuple[argparse.Namespace, lis
     except SystemExit:
         message = err.getvalue().strip().splitlines()
         raise DoctorError(f"OpenRLHF's parser refused the arguments: {message[-1] if message else 'exit'}") from None
-    except Exception as failed:  # its validation: assertions, and attribute errors on missing arguments
-        raise DoctorError(f"OpenRLHF's argument validation failed: {type(failed).__name__}: {failed}") from None
+    except AssertionError as refused:
+        raise DoctorError(f"OpenRLHF refuses these arguments: {refused}") from None
+    except Exception as failed:  # its validation reading an argument the command line does not set
+        raise DoctorError(_validation_failure(failed, path, namespace.get("args"))) from None
     finally:
         sys.argv = saved
     printed = [line for line in out.getvalue().splitlines() if line.strip()]
-    return namespace["args"], printed, namespace.get(_UNKNOWN, [])
+    return namespace["args"], printed, parsed.get("unknown", []), parsed["filled"][::2]
 
 
-_UNKNOWN = "_kl_adapters_unknown_arguments"
+def _read_side(line: str) -> str:
+    """The part of a source line that is read: an assignment's value (its target is not needed), else the line."""
+    try:
+        (statement,) = ast.parse(line).body
+    except (SyntaxError, ValueError):
+        return line
+    return ast.unparse(statement.value) if isinstance(statement, ast.Assign) else line
 
 
-def _known_args_only(statement: ast.stmt) -> ast.stmt:
-    """``args = parser.parse_args()`` -> ``args, <_UNKNOWN> = parser.parse_known_args()``; other statements as is."""
+def _parse_call(statement: ast.stmt) -> ast.stmt:
+    """``args = parser.parse_args()`` -> ``args = <_PARSE>(parser)`` (placeholders, strictness); others as is."""
     if ast.unparse(statement) != "args = parser.parse_args()":
         return statement
-    replaced = ast.parse(f"args, {_UNKNOWN} = parser.parse_known_args()").body[0]
-    return ast.copy_location(replaced, statement)
+    return ast.copy_location(ast.parse(f"args = {_PARSE}(parser)").body[0], statement)
+
+
+def _validation_failure(failed: Exception, path: Path, args) -> str:
+    """One sentence for an exception raised by OpenRLHF's validation: the flags of the `args.x.y` it read on the
+    failing line that are unset (None), or that line."""
+    frames = [f for f in traceback.extract_tb(failed.__traceback__) if f.filename == str(path)]
+    if not frames:
+        return f"OpenRLHF's argument validation failed: {type(failed).__name__}: {failed}"
+    line = linecache.getline(str(path), frames[-1].lineno).strip()
+    unset = []
+    for reference in dict.fromkeys(re.findall(r"\bargs((?:\.\w+)+)", _read_side(line))):
+        value, names = args, reference.strip(".").split(".")
+        for i, name in enumerate(names):  # args.x.y.split: the flag is --x.y, where the value is None
+            value = getattr(value, name, "?")
+            if value is None:
+                unset.append("--" + ".".join(names[:i + 1]))
+                break
+    where = f"{path.name}:{frames[-1].lineno}"
+    if unset:
+        return (f"OpenRLHF's argument validation needs {' or '.join(unset)}, which these arguments leave unset "
+                f"({where}: {line})")
+    return f"OpenRLHF's argument validation failed at {where} ({line}): {type(failed).__name__}: {failed}"
 
 
 def _starts_training(statement: ast.stmt) -> bool:

@@ -16,8 +16,11 @@ reward (beta * sum_t k1_t in the sequence reward). Pinned by tests/trl/test_doct
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import io
 import shlex
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,12 +43,12 @@ def read(argv: list[str], trainer: str | None = None) -> Report:
     source = " ".join(argv) or "(TRL defaults)"
     if argv and argv[0].endswith(".py"):
         trainer_in_script, argv = script_arguments(Path(argv[0]), argv[1:])
-        trainer = trainer or trainer_in_script
+        trainer = trainer_in_script if trainer is None else trainer
     elif argv and argv[0].endswith((".yaml", ".yml")):
         argv = ["--config", *argv]
-    trainer = trainer or "grpo"
+    trainer = "grpo" if trainer is None else trainer
     if trainer not in TRAINERS:
-        raise DoctorError(f"TRL trainer must be one of {TRAINERS}, got {trainer!r}")
+        raise DoctorError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
     config, kl_flags = _parse(trainer, *_num_processes(argv))
     report = Report("trl", version, source)
     report.check_version()
@@ -125,11 +128,19 @@ def _parse(trainer: str, argv: list[str], processes: int):
     parser = script.make_parser()
     args = list(argv) + ([] if "--use_cpu" in argv else ["--use_cpu", "true"])
     config_class = next(t for t in parser.dataclass_types if t.__name__ == _CONFIG_CLASS[trainer])
-    try:
-        with _world_size(config_class, processes):
+    err = io.StringIO()
+    try:  # argparse's usage text and transformers' deprecation warnings are not for the doctor's reader
+        with _world_size(config_class, processes), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             *parsed, remaining = parser.parse_args_and_config(args, return_remaining_strings=True)
-    except (SystemExit, ValueError, OSError, TypeError) as err:
-        raise DoctorError(f"TRL's parser refused the arguments ({processes} process(es)): {err}") from None
+    except SystemExit:
+        errors = [line.split("error: ", 1)[1] for line in err.getvalue().splitlines() if "error: " in line]
+        raise DoctorError(f"TRL's parser refused the arguments: {errors[-1] if errors else 'exit'}") from None
+    except OSError as unreadable:  # --config's file
+        raise DoctorError(f"cannot read {unreadable.filename}: {unreadable.strerror}") from None
+    except (ValueError, TypeError) as refused:
+        raise DoctorError(f"TRL refuses these arguments ({processes} process(es); --num_processes N sets it): "
+                          f"{refused}") from None
     config = next(p for p in parsed if type(p).__name__ == _CONFIG_CLASS[trainer])
     kl_flags: dict[str, str] = {}
     rest = list(remaining)
@@ -137,7 +148,7 @@ def _parse(trainer: str, argv: list[str], processes: int):
         key = rest.pop(0)
         name, _, value = key.partition("=")
         if name not in _KL_FIELDS or (not value and not rest):
-            raise DoctorError(f"arguments TRL's {trainer} parser does not know: {remaining}")
+            raise DoctorError(f"arguments TRL's {trainer} parser does not know: {' '.join(remaining)}")
         kl_flags[name[2:]] = value or rest.pop(0)
     return config, kl_flags
 

@@ -58,16 +58,7 @@ def compose(overrides: list[str], strict: bool = True):
     from omegaconf.errors import OmegaConfBaseException
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    name, rest = "ppo_trainer", []
-    for item in overrides:
-        if item.startswith("--config-name"):
-            name = item.split("=", 1)[1].strip("'\"").removesuffix(".yaml")
-        elif item.startswith("--config-path"):
-            continue  # the example's own config folder is not installed; its name is looked up in verl's
-        elif item.startswith("-"):
-            raise DoctorError(f"unsupported main_ppo option {item!r} (only Hydra overrides and --config-name)")
-        else:
-            rest.append(item)
+    name, rest = _config_name(overrides)
     if not os.path.exists(os.path.join(config_dir, f"{name}.yaml")):
         raise DoctorError(f"config {name!r} is not one of the installed verl's trainer configs ({config_dir})")
     dropped: list[str] = []
@@ -79,32 +70,108 @@ def compose(overrides: list[str], strict: bool = True):
             missing = re.search(r"Could not (?:override|append to config)[^']*'([^']+)'", str(err))
             culprit = [o for o in rest if missing and o.lstrip("+~").split("=", 1)[0] == missing.group(1)]
             if strict or not culprit:
-                raise DoctorError(f"Hydra could not compose verl's {name}.yaml with these overrides: {err}") from None
+                raise DoctorError(_compose_failure(err, name, missing and missing.group(1))) from None
             rest.remove(culprit[0])
             dropped.append(culprit[0])
 
 
-def _get(config, key: str):
+#: Hydra's options of ``python -m verl.trainer.main_ppo`` (long and short form) that take a value
+_HYDRA_OPTIONS = {"--config-name": "name", "-cn": "name", "--config-path": "path", "-cp": "path",
+                  "--config-dir": "path", "-cd": "path"}
+
+
+def _config_name(arguments: list[str]) -> tuple[str, list[str]]:
+    """(the config name, default ppo_trainer; the Hydra overrides). ``--config-path`` / ``--config-dir`` are read past:
+    an example's own config folder is not installed, its config name is looked up in verl's."""
+    name, rest, words = "ppo_trainer", [], list(arguments)
+    while words:
+        item = words.pop(0)
+        option, has_value, value = item.partition("=")
+        if option in _HYDRA_OPTIONS:
+            if not has_value:
+                if not words:
+                    raise DoctorError(f"{option} needs a value")
+                value = words.pop(0)
+            if _HYDRA_OPTIONS[option] == "name":
+                name = value.strip("'\"").removesuffix(".yaml")
+        elif item.startswith("-"):
+            raise DoctorError(f"unsupported main_ppo option {item!r} (only Hydra overrides key=value and "
+                              "--config-name)")
+        else:
+            rest.append(item)
+    return name, rest
+
+
+def _compose_failure(err: Exception, name: str, missing_key: str | None) -> str:
+    """Hydra's error in one line; for a key the config lacks, the full keys that end with it."""
+    candidates = [k for k in _keys(name) if k.endswith("." + missing_key)] if missing_key else []
+    if candidates:
+        return f"verl's {name}.yaml has no key {missing_key!r}: did you mean {' or '.join(candidates[:3])}?"
+    lines = [line.strip().rstrip(".") for line in str(err).splitlines()
+             if line.strip() and not line.startswith("See https")]
+    return f"Hydra could not compose verl's {name}.yaml with these overrides: {'; '.join(lines)}"
+
+
+def _keys(name: str) -> list[str]:
+    """Every dotted key of verl's config `name`, composed without overrides."""
     from omegaconf import OmegaConf
 
-    value = OmegaConf.select(config, key, default=None, throw_on_missing=False)
+    config, _ = compose([f"--config-name={name}"])
+    found: list[str] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, child in node.items():
+            found.append(prefix + str(key))
+            if isinstance(child, dict):
+                walk(child, f"{prefix}{key}.")
+
+    walk(OmegaConf.to_container(config, resolve=False, throw_on_missing=False), "")
+    return found
+
+
+def _get(config, key: str):
+    """The value at `key` (None when absent); DoctorError when the script computes it at run time or it does not
+    resolve (a broken interpolation)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        value = OmegaConf.select(config, key, default=None, throw_on_missing=False)
+    except OmegaConfBaseException as err:
+        raise DoctorError(f"{key} does not resolve: {err}".splitlines()[0]) from None
     if isinstance(value, str) and UNRESOLVED in value:
-        raise DoctorError(f"{key} is set from something the script computes at run time ({value})")
+        raise _RunTimeValue(f"{key} is set from something the script computes at run time ({value})")
     return value
 
 
+class _RunTimeValue(DoctorError):
+    """A setting the launch script computes at run time (`shell.UNRESOLVED`)."""
+
+
 def _number(config, key: str) -> float | None:
+    """The number at `key`; None when absent or computed by the script at run time; DoctorError when not a number."""
     try:
         value = _get(config, key)
-        return None if value is None else float(value)
-    except (DoctorError, TypeError, ValueError):
+    except _RunTimeValue:
         return None
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        raise DoctorError(f"{key}={value!r} is not a number") from None
+
+
+def _flag(config, key: str) -> bool:
+    """The boolean at `key` (absent: False); DoctorError when it is neither true nor false."""
+    value = _get(config, key)
+    if value not in (None, True, False):
+        raise DoctorError(f"{key}={value!r} is not True or False")
+    return bool(value)
 
 
 def _analyse(report: Report, config, script_env: str | None) -> None:
     from omegaconf import OmegaConf
 
-    use_loss, use_reward = bool(_get(config, f"{_ACTOR}.use_kl_loss")), bool(_get(config, f"{_ALGO}.use_kl_in_reward"))
+    use_loss, use_reward = _flag(config, f"{_ACTOR}.use_kl_loss"), _flag(config, f"{_ALGO}.use_kl_in_reward")
     runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
     env_value = script_env or runtime_env
     default = settings_or_error(env_value, ENV_VAR)
@@ -219,7 +286,7 @@ def _reward_path(report: Report, config, agg: str, default) -> None:
     if penalty.rstrip("+") in ("low_var_kl", "k3"):
         report.add("clamp", "warning", f"verl clamps k3's value to +-{native.VERL_K3_VALUE_CLAMP:g}: the reward "
                    "misses the KL of tokens beyond the clamp")
-    if estimator == "grpo" and bool(_get(config, f"{_ALGO}.norm_adv_by_std_in_grpo")):
+    if estimator == "grpo" and _flag(config, f"{_ALGO}.norm_adv_by_std_in_grpo"):
         report.add("std-normalized-reward", "bias", "adv_estimator=grpo divides the summed reward, KL included, by "
                    "its group's std: beta becomes prompt-dependent and the KL enters that std (biased direction)")
     elif estimator == "grpo":

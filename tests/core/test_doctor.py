@@ -193,3 +193,35 @@ def test_shell_arithmetic_word_splitting_and_pipes():
             "python3 -m verl.trainer.main_ppo x=$((N * 64)) y=$MAX z=$((N * M)) $EXTRA 2>&1 | tee log.txt\n")
     (command,) = find_commands(text, ("verl.trainer.main_ppo",), {})
     assert command.args == ["x=256", "y=6144", f"z={UNRESOLVED}N_M", "a=1", "b=2"]
+
+
+def _exceptions() -> list[Exception]:
+    """An instance of every built-in exception type that takes a message (a multi-line one), and DoctorError."""
+    import builtins
+
+    from kl_adapters.doctor import DoctorError
+
+    made = [DoctorError("first line\nsecond line")]
+    for kind in vars(builtins).values():
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            try:
+                made.append(kind("first line\nsecond line"))
+            except TypeError:  # e.g. UnicodeDecodeError's five arguments
+                continue
+    return made
+
+
+@pytest.mark.parametrize("framework", ["trl", "verl", "openrlhf"])
+def test_no_exception_type_escapes_as_a_traceback(framework, monkeypatch, capsys):
+    """Whatever a reader raises, `kl-adapters doctor` exits 2 with one line on stderr naming the framework."""
+    reader = importlib.import_module(f"kl_adapters.doctor.{framework}")
+    for error in _exceptions():
+        def read(argv, **options):
+            raise error
+
+        monkeypatch.setattr(reader, "read", read)
+        assert main(["doctor", framework, "--some", "args"]) == 2, type(error)
+        captured = capsys.readouterr()
+        (line,) = captured.err.splitlines()
+        assert line.startswith(f"kl-adapters doctor: cannot read this {framework} configuration: ") and not captured.out
+        assert "first line" in line, line

@@ -195,3 +195,64 @@ def test_exit_codes_and_json(argv, code, capsys):
     doc = json.loads(captured.out)
     jsonschema.validate(doc, SCHEMA)
     assert doc["exit_code"] == code
+
+
+#: partial command lines, as a user asks "is my KL setting right?": no model, data or reward source
+PARTIAL = [
+    (["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.init_coef", "0.01"], "loss", "k3-loss"),
+    (["--algo.kl.use_loss", "--algo.kl.estimator", "k2"], "loss", "k2-loss"),
+    (["--algo.kl.init_coef", "0.01"], "reward", "reward-plain"),
+    ([], "reward", "reward-plain"),
+    (["--algo.kl.use_loss", "--algo.kl.init_coef", "2e-6", "--algo.kl.preset", "sequence"], "loss", "sequence"),
+    (["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "8", "--algo.kl.use_loss",
+      "--algo.kl.estimator", "k3"], "loss", "k3-loss"),
+    (["--algo.dynamic_filtering_enable", "--rollout.n_samples_per_prompt", "8", "--algo.advantage.estimator",
+      "group_norm"], "reward", "reward-plain"),
+    (["--eval.dataset", "data/eval.jsonl", "--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt",
+      "4"], "reward", "reward-plain"),
+]
+
+
+@pytest.mark.parametrize("argv, path, preset", PARTIAL)
+def test_partial_command_lines(argv, path, preset):
+    """Arguments the KL analysis does not read are not needed: a neutral reward source is filled in (and said so)
+    where OpenRLHF's validation wants one (the default gae estimator derives the critic from it)."""
+    report = doctor(*argv)
+    assert [(p.path, p.native.preset) for p in report.paths] == [(path, preset)]
+    assert any("placeholder for --reward.remote_url" in n for n in report.notes)
+
+
+def test_placeholder_only_where_no_reward_source_is_given():
+    for source in (["--reward.model_name_or_path", "rm"], ["--reward.remote_url", "http://127.0.0.1:1"],
+                   ["--train.agent_func_path", "agent.py"]):
+        report = doctor(*source, "--algo.kl.init_coef", "0.01")
+        assert not any("placeholder" in n for n in report.notes)
+    args = parse(["--reward.model_name_or_path", "rm"])[0]
+    assert args.reward.remote_url is None and args.critic.model_name_or_path == "rm"  # OpenRLHF's derivation
+
+
+def test_an_unset_argument_the_validation_reads_is_named(monkeypatch):
+    """Without the placeholder, OpenRLHF's validation fails on None (AttributeError); the doctor names the flag."""
+    monkeypatch.setattr("kl_adapters.doctor.openrlhf.PLACEHOLDERS", ())
+    with pytest.raises(DoctorError) as err:
+        doctor("--algo.kl.use_loss", "--algo.kl.estimator", "k3")
+    assert "validation needs --reward.model_name_or_path, which these arguments leave unset" in str(err.value)
+    assert "--critic" not in str(err.value)  # the assignment's target is not what it needs
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algo.kl.use_loss", "--algo.kl.init_coef"], "argument --algo.kl.init_coef: expected one argument"),
+    (["--algo.kl.init_coef", "abc"], "invalid float value: 'abc'"),
+    (["--algo.kl.bogus", "1"], "unrecognized arguments: --algo.kl.bogus 1"),
+    (["--algo.advantage.estimator", "group_norm"], "OpenRLHF refuses these arguments: group_norm requires "
+                                                    "n_samples_per_prompt > 1"),
+    (["--algo.kl.preset", "nope"], "unknown KL preset 'nope'"),
+    (["no_such_script.sh"], "cannot read no_such_script.sh"),
+])
+def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):
+    """Exit 2 and one line on stderr naming the problem: never a traceback."""
+    assert main(["doctor", "openrlhf", *argv]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("kl-adapters doctor: cannot read this openrlhf configuration: ") and message in line
+    assert captured.out == ""

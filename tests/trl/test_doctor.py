@@ -92,7 +92,8 @@ def test_rloo_on_policy_is_unbiased_and_off_policy_refused_by_the_adapter():
 def test_world_size_only_matters_to_trls_batch_checks():
     """GRPOConfig checks generation_batch_size against the world size: 16 generations need 2 processes of 8."""
     argv = ["--beta", "0.04", "--num_generations", "16", "--per_device_train_batch_size", "8"]
-    with pytest.raises(DoctorError, match=r"\(1 process\(es\)\).*divisible by num_generations \(16\)"):
+    refused = r"\(1 process\(es\); --num_processes N sets it\).*divisible by num_generations \(16\)"
+    with pytest.raises(DoctorError, match=refused):
         doctor(*argv)
     assert doctor(*argv, "--num_processes", "2").paths[0].native.preset == "token"
 
@@ -125,3 +126,45 @@ def test_exit_codes_and_json(argv, code, capsys):
     if code != 2:
         doc = json.loads(out)
         assert doc["exit_code"] == code and set(doc) == set(SCHEMA["required"])
+
+
+#: partial command lines, as a user asks "is my KL setting right?": no model, dataset or output folder
+PARTIAL = [
+    (["--beta", "0.04"], "token"),
+    (["--beta", "0.04", "--loss_type", "dr_grpo"], "token"),
+    (["--beta", "0.1", "--use_bias_correction_kl", "false"], "k3-loss"),
+    (["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--beta", "0.1"], "token"),
+    (["--dataset_name", "trl-lib/tldr", "--beta", "0.1", "--num_generations", "4"], "token"),
+    (["--beta", "0.1", "--bf16", "true"], "token"),
+    (["--beta", "0.1", "--kl_preset", "sequence"], "sequence"),
+]
+
+
+@pytest.mark.parametrize("argv, preset", PARTIAL)
+def test_partial_command_lines(argv, preset):
+    assert [p.native.preset for p in doctor(*argv).paths] == [preset]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--beta"], "TRL's parser refused the arguments: argument --beta: expected one argument"),
+    (["--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
+    (["--beta", "0.1", "--per_device_train_batch_size", "3"], "generation_batch_size (3) must be divisible by "
+                                                             "num_generations (8)"),
+    (["--beta", "0.1", "--bogus", "1"], "arguments TRL's grpo parser does not know: --bogus 1"),
+    (["no_such_config.yaml"], "cannot read no_such_config.yaml: No such file or directory"),
+    (["no_such_script.py"], "cannot read no_such_script.py"),
+    (["--trainer"], "--trainer must be one of grpo, rloo, got ''"),
+    (["--num_processes", "two", "--beta", "0.1"], "--num_processes needs an integer"),
+])
+def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):
+    """Exit 2 and one line on stderr naming the problem: no traceback, no argparse usage, no library warnings."""
+    assert main(["doctor", "trl", *argv]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("kl-adapters doctor: cannot read this trl configuration: ") and message in line
+    assert captured.out == ""
+
+
+def test_no_library_warnings_on_a_readable_command_line(capsys):
+    assert main(["doctor", "trl", "--beta", "0.04"]) == 1
+    assert capsys.readouterr().err == ""

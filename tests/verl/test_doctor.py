@@ -183,3 +183,47 @@ def test_table_output(capsys):
     out = capsys.readouterr().out
     assert "\033[" not in out  # not a terminal
     assert "k3-loss" in out and "verdict: BIASED (exit 1)" in out and "kl_adapters:sequence" in out
+
+
+#: partial override lists, as a user asks "is my KL setting right?": no model, data or cluster settings
+PARTIAL = [
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl"],
+     [("loss", "k3-loss")]),
+    (["algorithm.adv_estimator=grpo", *LOSS], [("loss", "k3-loss")]),
+    ([*REWARD, "algorithm.kl_ctrl.kl_coef=0.001"], [("reward", "reward-plain")]),  # gae: KL reward-to-go
+    (["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct", "data.train_files=train.parquet", *LOSS],
+     [("loss", "k3-loss")]),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], [("loss", "sequence")]),
+    (["--config-name", "ppo_megatron_trainer", *LOSS], [("loss", "k3-loss")]),
+    (["-cn=ppo_megatron_trainer", *LOSS], [("loss", "k3-loss")]),
+]
+
+
+@pytest.mark.parametrize("argv, paths", PARTIAL)
+def test_partial_override_lists(argv, paths):
+    assert [(p.path, p.native.preset) for p in doctor(*argv).paths] == paths
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["use_kl_loss=True"], "verl's ppo_trainer.yaml has no key 'use_kl_loss': did you mean "
+                           "actor_rollout_ref.actor.use_kl_loss?"),
+    (["actor_rollout_ref.actor.use_kl_loss"], "Error parsing override 'actor_rollout_ref.actor.use_kl_loss'; "
+                                              "missing EQUAL"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_coef=abc"], "actor_rollout_ref.actor.kl_loss_coef='abc' is not a "
+                                                          "number"),
+    (["actor_rollout_ref.actor.use_kl_loss=maybe"], "actor_rollout_ref.actor.use_kl_loss='maybe' is not True or "
+                                                    "False"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_coef=${no.such.key}"], "kl_loss_coef does not resolve"),
+    (["--config-name"], "--config-name needs a value"),
+    (["--config-name", "nope"], "config 'nope' is not one of the installed verl's trainer configs"),
+    (["--actor_rollout_ref.actor.use_kl_loss=True"], "unsupported main_ppo option"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:nope"], "unknown KL preset 'nope'"),
+    (["no_such_script.sh"], "cannot read no_such_script.sh"),
+])
+def test_unreadable_overrides_get_one_plain_line(argv, message, capsys):
+    """Exit 2 and one line on stderr naming the problem: never a traceback or Hydra's multi-line message."""
+    assert main(["doctor", "verl", *argv]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("kl-adapters doctor: cannot read this verl configuration: ") and message in line
+    assert captured.out == ""

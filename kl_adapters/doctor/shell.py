@@ -1,11 +1,11 @@
 """Read the arguments a launch script passes to a Python module, without running the script.
 
 Handles what launch scripts of verl and OpenRLHF use: line continuations, comments, ``NAME=value`` / ``export NAME=..``
-assignments (also ``NAME=${NAME:-default}``, and ``VAR=value python ...`` prefixes), bash arrays ``NAME=( ... )``
-expanded by ``"${NAME[@]}"``, ``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``${NAME:=default}`` in arguments (an
-unquoted variable holding several words splits into several arguments), integer arithmetic ``$((...))``, ``case WORD
-in pattern) ... ;; esac`` (only the first matching branch applies), and pipes / redirections after the command (not
-arguments). What cannot be resolved without running the script (an unset variable, ``$(...)``, ``$1``) becomes the
+assignments (also ``NAME=${NAME:-default}``, and ``VAR=value python ...`` prefixes), bash arrays ``NAME=( ... )`` and
+``NAME+=( ... )`` expanded by ``"${NAME[@]}"``, ``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``${NAME:=default}`` in
+arguments (an unquoted variable holding several words splits into several arguments), integer arithmetic ``$((...))``,
+``case WORD in pattern) ... ;; esac`` (only the first matching branch applies), and pipes / redirections after the
+command (not arguments). What cannot be resolved without running the script (an unset variable, ``$(...)``, ``$1``) becomes the
 word `marker` (UNRESOLVED_...) and is listed in `Command.unresolved`; ``$@`` / ``$*`` (the script's own arguments)
 are dropped and listed. Control flow is not otherwise followed (if / for / functions): every assignment is applied in
 file order, the last one before the command wins.
@@ -35,7 +35,7 @@ def marker(reference: str) -> str:
 
 _ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
 _LABEL = re.compile(r"^\s*([^\s()]+)\)\s*")  # a case branch label: "pattern)" or "a|b)"
-_ARRAY_START = re.compile(r"^\s*(?:[^\s()]+\)\s*)?(?:export\s+|declare\s+-a\s+)?([A-Za-z_]\w*)=\((.*)$", re.S)
+_ARRAY_START = re.compile(r"^\s*(?:[^\s()]+\)\s*)?(?:export\s+|declare\s+-a\s+)?([A-Za-z_]\w*)(\+?)=\((.*)$", re.S)
 _REF = re.compile(r"\$\{([A-Za-z_]\w*)(\[[@*]\])?(?:(:?[-=])([^}]*))?\}|\$([A-Za-z_]\w*)|\$([@*#?0-9])|\$\(\(?[^)]*\)?\)|`[^`]*`|\$\{[^}]*\}")
 
 
@@ -204,8 +204,8 @@ def find_commands(text: str, modules: tuple[str, ...], env: Mapping[str, str] | 
         if array and ")" in line.split("=(", 1)[1]:
             inner = line.split("=(", 1)[1].rsplit(")", 1)[0]
             noise: list[str] = []
-            arrays[array.group(1)] = [e for w in (_words(inner, variables) or []) for e in _expand(w, variables, arrays,
-                                                                                                   noise)]
+            elements = [e for w in (_words(inner, variables) or []) for e in _expand(w, variables, arrays, noise)]
+            arrays[array.group(1)] = (arrays.get(array.group(1), []) if array.group(2) else []) + elements
             continue
         words = _words(line, variables)
         if not words:

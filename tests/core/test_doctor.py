@@ -225,3 +225,14 @@ def test_no_exception_type_escapes_as_a_traceback(framework, monkeypatch, capsys
         (line,) = captured.err.splitlines()
         assert line.startswith(f"kl-adapters doctor: cannot read this {framework} configuration: ") and not captured.out
         assert "first line" in line, line
+
+
+def test_shell_array_append_in_case_branches():
+    """``args+=( ... )``, as the project's own examples/openrlhf_ppo.sh builds its arguments per MODE."""
+    text = ("MODE=${MODE:-loss}\nargs=(\n  --a 1\n)\ncase \"$MODE\" in\n  loss)   # the loss path\n"
+            "    args+=(--algo.kl.use_loss)\n    args+=(--algo.kl.preset sequence) ;;   # kl-adapters\n"
+            "  reward) args+=(--algo.kl.preset reward) ;;\nesac\nexec python -m openrlhf.cli.train_ppo_ray \"${args[@]}\"\n")
+    (loss,) = find_commands(text, ("openrlhf.cli.train_ppo_ray",), {})
+    assert loss.args == ["--a", "1", "--algo.kl.use_loss", "--algo.kl.preset", "sequence"]
+    (reward,) = find_commands(text, ("openrlhf.cli.train_ppo_ray",), {"MODE": "reward"})
+    assert reward.args == ["--a", "1", "--algo.kl.preset", "reward"]

@@ -256,3 +256,12 @@ def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):
     (line,) = captured.err.splitlines()
     assert line.startswith("kl-adapters doctor: cannot read this openrlhf configuration: ") and message in line
     assert captured.out == ""
+
+
+def test_project_example_script():
+    """examples/openrlhf_ppo.sh (its arguments built with args+=(...) per MODE): the loss path with `sequence`."""
+    script = str(Path(__file__).resolve().parents[2] / "examples" / "openrlhf_ppo.sh")
+    report = diagnose("openrlhf", [script], env={})
+    assert [(p.path, p.native.preset) for p in report.paths] == [("loss", "sequence")] and report.verdict == "unbiased"
+    reward = diagnose("openrlhf", [script], env={"MODE": "reward"})
+    assert [(p.path, p.native.preset) for p in reward.paths] == [("reward", "reward")]

@@ -7,7 +7,7 @@
 #   2. the flag: --algo.kl.preset sequence (KL as a loss: exact gradient of the sequence KL, on- and off-policy)
 #      or --algo.kl.preset reward (OpenRLHF's default KL-in-reward path, made exact: k1, no clamp, gamma 1);
 #   3. on the loss path, --algo.kl.init_coef: it now weighs the per-sequence KL, so divide a token-mean coefficient by
-#      the mean response length (0.001 at ~500 tokens -> 2e-6). See README.md, "OpenRLHF adapter".
+#      the mean response length (0.001 at ~500 tokens -> 2e-6). See docs/openrlhf.md.
 # Multi-node: start Ray on every node as usual (`ray start --head` / `ray start --address ...`) with kl-adapters
 # installed in every node's Python; the flag reaches every actor with OpenRLHF's own arguments.
 #

@@ -1,4 +1,5 @@
-"""The `kl-adapters` command: `audit` (exact gradient table), `demo` (the exact-objective benchmark), `presets`."""
+"""The `kl-adapters` command: `audit` (exact gradient table), `demo` (the exact-objective benchmark), `presets`,
+`doctor` (what a TRL / verl / OpenRLHF configuration's KL gradient optimizes)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
 # tests) with KL_ADAPTERS_ALLOW_UNTESTED=1, then tests/<framework>/upstream_selftests.py when that file exists (the
 # framework's own unit tests with kl-adapters off / flag off / flag on: same outcomes required), and prints a table.
 # `--latest` is the early warning for a new release: the result depends on what the index serves that day, which is
-# why CI does not run it. A release whose row passes can go into kl_adapters/adapters/versions.py (README, "Framework
-# versions"). Exit status 1 if any suite or self-test run failed. Extra pytest arguments: PYTEST_ARGS="-x".
+# why CI does not run it. A release whose row passes can go into kl_adapters/adapters/versions.py (docs/versions.md,
+# "Framework versions"). Exit status 1 if any suite or self-test run failed. Extra pytest arguments: PYTEST_ARGS="-x".
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"

@@ -1,9 +1,9 @@
-"""The framework releases kl-adapters is tested with: the one source of the version guard, README and extras.
+"""The framework releases kl-adapters is tested with: the one source of the version guard, docs and extras.
 
 `TESTED[framework]` lists exactly the releases whose adapter tests ran green (newest last); the guard
 (`_guard.require_version`) accepts those and refuses the rest, `pyproject.toml`'s extras must span them
-(tests/core/test_versions.py), and `scripts/compat.sh` is how a release gets onto this list (see README, "Framework
-versions"). Imports nothing (read by the torch-free activation path and the verl plugin).
+(tests/core/test_versions.py), and `scripts/compat.sh` is how a release gets onto this list (see docs/versions.md,
+"Framework versions"). Imports nothing (read by the torch-free activation path and the verl plugin).
 """
 
 from __future__ import annotations

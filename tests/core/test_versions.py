@@ -1,7 +1,8 @@
-"""versions.TESTED is the one source of the supported framework releases; pyproject's extras and README agree with it.
+"""versions.TESTED is the one source of the supported framework releases; pyproject's extras and docs agree with it.
 
 The guard reads TESTED directly (tests/<fw>/test_guards.py); here: each framework's extra in pyproject.toml admits
-every tested release and no older one, and README's "Framework versions" table lists exactly the tested releases.
+every tested release and no older one, and docs/versions.md's "Framework versions" table lists exactly the tested
+releases.
 """
 
 import re
@@ -32,17 +33,17 @@ def test_extra_spans_exactly_the_tested_releases(framework):
     assert lower == [tested[0]], f"pyproject's {framework} extra {spec} must start at the oldest tested release"
 
 
-def readme_table() -> set[tuple[str, str]]:
-    """(framework, release) rows of README's "Framework versions" table (first two columns)."""
-    text = (ROOT / "README.md").read_text()
-    match = re.search(r"^#+ Framework versions\n(.*?)(?=^#+ )", text, re.S | re.M)
-    assert match, "README.md has no 'Framework versions' section"
+def docs_table() -> set[tuple[str, str]]:
+    """(framework, release) rows of docs/versions.md's "Framework versions" table (first two columns)."""
+    text = (ROOT / "docs" / "versions.md").read_text()
+    match = re.search(r"^#+ Framework versions\n(.*?)(?=^#+ |\Z)", text, re.S | re.M)
+    assert match, "docs/versions.md has no 'Framework versions' section"
     rows = re.findall(r"^\| *([A-Za-z]+) *\| *([0-9][0-9.]*) *\|", match.group(1), re.M)
     return {(fw.lower(), version) for fw, version in rows}
 
 
-def test_readme_table_lists_exactly_the_tested_releases():
-    assert readme_table() == {(fw, v) for fw, versions in TESTED.items() for v in versions}
+def test_docs_table_lists_exactly_the_tested_releases():
+    assert docs_table() == {(fw, v) for fw, versions in TESTED.items() for v in versions}
 
 
 def test_supported_range_names_every_release():

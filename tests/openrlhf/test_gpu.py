@@ -1,6 +1,6 @@
 """OpenRLHF on a GPU: ActorPPOTrainer.ppo_train with OpenRLHF's own DeepspeedStrategy (ZeRO stage 0, world size 1,
 NCCL) on an 84M-parameter random Llama (2 layers, hidden 2048; built from a config, no hub). Marked `gpu`; skipped
-without CUDA. Run on the device: scripts/gpu.sh run openrlhf (README, GPU section). Ray is not started (the import
+without CUDA. Run on the device: scripts/gpu.sh run openrlhf (docs/gpu.md). Ray is not started (the import
 is tests/device_image/ray_stub on the device); flash_attn / vllm are the suite's import stubs (eager attention).
 
 The run is the loss-path run of test_loss_path.py (openrlhf_harness.ppo_train_on: 8 ragged sequences, micro-batches

@@ -1,6 +1,6 @@
 """TRL on a GPU: a 63M-parameter random Llama (12 layers, hidden 768; built from a config, char tokenizer, no hub)
 trained by the real GRPOTrainer.train(), generation on the GPU. Marked `gpu`; skipped without CUDA.
-Run on the device: scripts/gpu.sh run trl (README, GPU section).
+Run on the device: scripts/gpu.sh run trl (docs/gpu.md).
 
 Checks, each against TRL itself:
 - the gradient identity of tests/trl/test_grpo_gradients.py on CUDA (trainer gradient, flag on = TRL's task gradient

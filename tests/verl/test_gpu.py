@@ -1,6 +1,6 @@
 """verl on a GPU: the FSDP2 actor update through verl's TrainingWorker on one GPU (NCCL, world size 1), a 63M-parameter
 random Llama, kl_loss_type=kl_adapters:sequence and the flag off (gpu_worker_check.py, one subprocess per dtype).
-Marked `gpu`; skipped without CUDA. Run on the device: scripts/gpu.sh run verl (README, GPU section).
+Marked `gpu`; skipped without CUDA. Run on the device: scripts/gpu.sh run verl (docs/gpu.md).
 
 Checks: the gradient identity (flagged update = oracle update: verl's loss without KL + kl_surrogate) relative to the
 KL part of the update, float32 to FP32_RTOL and bf16 compute to BF16_RTOL; the flag off bit-identical to verl's own

@@ -11,18 +11,28 @@ state s at position t (dynamic programming over (position, state)); grad KL_seq 
 
 Estimators. A batch is G sequences. For presets of the registry the batch gradient is
     g = (1/G) sum_j sum_t c_{j,t} grad log pi(y_{j,t} | s_{j,t}),   grad log pi(y | s) = e_{s,y} - e_s (x) pi(.|s)
-with c = kl_coefficients(...) (leave-one-out statistics within each batch), scattered into the table without
-autograd. `full` (kl_adapters/full_vocab.py) adds the pathwise term sum_t w_{1:t-1} grad KL(pi(.|s_t) || pi_ref(.|s_t))
-with the exact per-state KL. Per cell (T, G, drift, regime): over n_batches independent batches,
+with c = kl_coefficients(...) (leave-one-out statistics within each batch, with the policy's end-of-sequence
+probabilities as the adapters pass them, EndOfSequence, unless --no-eos), scattered into the table without autograd.
+`full` (kl_adapters/full_vocab.py) adds the pathwise term sum_t w_{1:t-1} grad KL(pi(.|s_t) || pi_ref(.|s_t)) with the
+exact per-state KL. Per cell (T, G, drift, regime): over n_batches independent batches,
     ratio = tr Cov[g_preset] / tr Cov[g_token]  (same samples), with a delta-method standard error,
     bias  = |mean g - grad KL_seq| / |grad KL_seq|, with se = sqrt(tr Cov[g] / n_batches) / |grad KL_seq|:
 the norm of the Monte Carlo error of the mean in V^2 dimensions, so an unbiased preset shows bias ~ se and a biased
 one bias >> se.
+Task + KL (--task SCALE > 0): the gradient a trainer takes. A task reward R(y) = SCALE * (number of tokens 0 in y),
+GRPO's advantages A_j = R_j - the batch mean, the reduced presets' statistics fitted with them (TaskAdvantages with
+beta = --beta), and per batch the ascent direction
+    g_total = (1/G) sum_j sum_t (A_j - beta c_{j,t}) grad log pi(y_{j,t} | s_{j,t})   (- beta x `full`'s pathwise term)
+whose expectation is (1 - 1/G) grad E[R] - beta grad KL_seq (exact by dynamic programming; total_bias against it).
+total_ratio = tr Cov[g_total] / tr Cov[g_total of sequence-plain] on the same batches: <= 1 is the target every
+reduced preset must meet. --states N...: measure at the policies after N exact Adam ascent steps on J = E[R] -
+beta KL_seq (--ascent-lr) from the drifted policy, i.e. along the way from pi_ref to the regularized optimum.
 Micro-batch mode (--micro): rollout batches of N sequences; statistics from all N rows (`kl_statistics` /
 `full_statistics` on the rollout batch, sliced per micro-batch) against statistics within each micro-batch of m rows.
 
 Usage: .venvs/core/bin/python bench/variance.py [--quick] [--horizons 16 64] [--groups 16] [--drifts 0.05]
-       [--regimes on] [--presets sequence token] [--micro] [--name NAME]
+       [--regimes on] [--presets sequence token] [--task 0.05 --beta 0.1 --states 0 20 300] [--no-eos] [--micro]
+       [--name NAME]
 Writes bench/results/variance_<name>.{json,txt,png} (name: full, quick, micro, or --name).
 """
 
@@ -46,12 +56,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import RESULTS, write_result  # noqa: E402
 
 import kl_adapters  # noqa: E402
-from kl_adapters import PRESETS, kl_coefficients, kl_statistics  # noqa: E402
+from kl_adapters import PRESETS, EndOfSequence, TaskAdvantages, kl_coefficients, kl_statistics  # noqa: E402
 from kl_adapters.full_vocab import full_coefficients, full_statistics  # noqa: E402
+from kl_adapters.reductions import termination_increments  # noqa: E402
 
 DTYPE = torch.float64
 BENCH_PRESETS = ("sequence", "reward", "sequence-plain", "reward-plain", "token", "k3-loss", "k3-reward", "full")
 REFERENCE = "token"
+#: the floor of task + KL: every reduced preset's total_ratio is its trained gradient's variance relative to this one
+TOTAL_REFERENCE = "sequence-plain"
 
 
 @dataclass(frozen=True)
@@ -82,9 +95,11 @@ def state_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def exact_kl_seq(logits: Tensor, ref_logits: Tensor, horizon: int) -> Tensor:
-    """KL_seq by dynamic programming: q_1 = e_BOS, q_{t+1}(v) = sum_s q_t(s) pi(v|s) for v != EOS (differentiable)."""
-    probs, kl = torch.softmax(logits, -1), state_kl(logits, ref_logits)
+def exact_kl_seq(logits: Tensor, ref_logits: Tensor, horizon: int, per_state: Tensor | None = None) -> Tensor:
+    """KL_seq by dynamic programming: q_1 = e_BOS, q_{t+1}(v) = sum_s q_t(s) pi(v|s) for v != EOS (differentiable):
+    sum_t q_t @ KL(.|s). per_state [V] in place of the per-state KL gives another per-position expectation."""
+    probs = torch.softmax(logits, -1)
+    kl = state_kl(logits, ref_logits) if per_state is None else per_state
     vocab = logits.shape[-1]
     q = torch.zeros(vocab, dtype=logits.dtype)
     q[-1] = 1.0
@@ -96,6 +111,11 @@ def exact_kl_seq(logits: Tensor, ref_logits: Tensor, horizon: int) -> Tensor:
     return total
 
 
+def exact_reward(logits: Tensor, horizon: int, scale: float) -> Tensor:
+    """E[R] of R = scale * (number of tokens 0) by the same recursion (token 0 is never EOS; differentiable)."""
+    return exact_kl_seq(logits, logits, horizon, per_state=scale * torch.softmax(logits, -1)[:, 0])
+
+
 def exact_gradient(model: Bigram, horizon: int) -> tuple[Tensor, float]:
     """(grad KL_seq flattened [V * V], KL_seq)."""
     theta = model.logits.clone().requires_grad_(True)
@@ -103,9 +123,29 @@ def exact_gradient(model: Bigram, horizon: int) -> tuple[Tensor, float]:
     return torch.autograd.grad(kl, theta)[0].flatten(), float(kl.detach())
 
 
+def exact_task_gradient(model: Bigram, horizon: int, scale: float) -> tuple[Tensor, float]:
+    """(grad E[R] flattened [V * V], E[R])."""
+    theta = model.logits.clone().requires_grad_(True)
+    reward = exact_reward(theta, horizon, scale)
+    return torch.autograd.grad(reward, theta)[0].flatten(), float(reward.detach())
+
+
+def ascended(model: Bigram, horizon: int, steps: int, scale: float, beta: float, lr: float) -> Bigram:
+    """The model after `steps` Adam steps on the exact J = E[R] - beta KL_seq (the behaviour policy keeps its offset)."""
+    theta = model.logits.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([theta], lr=lr)
+    for _ in range(steps):
+        objective = exact_reward(theta, horizon, scale) - beta * exact_kl_seq(theta, model.ref_logits, horizon)
+        optimizer.zero_grad()
+        (-objective).backward()
+        optimizer.step()
+    return Bigram(theta.detach(), model.ref_logits, model.behaviour_logits + theta.detach() - model.logits)
+
+
 @dataclass(frozen=True)
 class Samples:
-    """n sequences [n, T]: state and token per position, mask, and log pi / pi_ref / mu of the sampled tokens."""
+    """n sequences [n, T]: state and token per position, mask, log pi / pi_ref / mu of the sampled tokens, and
+    pi(EOS | state) at every position (the current policy's end-of-sequence probability, 0 at padding)."""
 
     states: Tensor
     tokens: Tensor
@@ -113,10 +153,15 @@ class Samples:
     logp: Tensor
     ref_logp: Tensor
     old_logp: Tensor | None
+    eos_prob: Tensor
 
     def rows(self, part: slice) -> Samples:
         return Samples(*(None if x is None else x[part] for x in (self.states, self.tokens, self.mask, self.logp,
-                                                                   self.ref_logp, self.old_logp)))
+                                                                   self.ref_logp, self.old_logp, self.eos_prob)))
+
+    def eos(self, vocab: int) -> EndOfSequence:
+        """EndOfSequence of these rows (the last token, vocab - 1, is EOS; horizon = the width)."""
+        return EndOfSequence(self.eos_prob, self.mask & (self.tokens == vocab - 1), self.mask.shape[1])
 
 
 def sample(model: Bigram, n: int, horizon: int, off_policy: bool, gen: torch.Generator) -> Samples:
@@ -137,7 +182,8 @@ def sample(model: Bigram, n: int, horizon: int, off_policy: bool, gen: torch.Gen
         state = tok
     lp, lq = torch.log_softmax(model.logits, -1), torch.log_softmax(model.ref_logits, -1)
     old = torch.log_softmax(model.behaviour_logits, -1)[states, tokens] * mask if off_policy else None
-    return Samples(states, tokens, mask, lp[states, tokens] * mask, lq[states, tokens] * mask, old)
+    eos_prob = torch.softmax(model.logits, -1)[states, -1] * mask
+    return Samples(states, tokens, mask, lp[states, tokens] * mask, lq[states, tokens] * mask, old, eos_prob)
 
 
 def batch_gradients(s: Samples, probs: Tensor, group_size: int, score_w: Tensor,
@@ -167,31 +213,39 @@ def uses_group(name: str) -> bool:
 ROWS_PER_CALL = 1024
 
 
-def preset_weights(name: str, s: Samples, model: Bigram, group: Tensor | None,
-                   statistics: str = "batch") -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+def preset_weights(name: str, s: Samples, model: Bigram, group: Tensor | None, statistics: str = "batch",
+                   task: TaskAdvantages | None = None, eos: bool = True) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
     """(score weights c [n, T], pathwise part or None) of one preset, leave-one-out within `group` where it applies.
 
     statistics="batch": computed within `group` by the loss; "rollout": precomputed over the same groups with
-    kl_statistics and passed as statistics= (the code path adapters use with micro-batches). Grouped rows go in
-    blocks of ROWS_PER_CALL consecutive rows (groups are consecutive and never straddle a block)."""
+    kl_statistics and passed as statistics= (the code path adapters use with micro-batches); fitted with `task` (the
+    rows' advantages) and the end-of-sequence probabilities (eos). Grouped rows go in blocks of ROWS_PER_CALL
+    consecutive rows (groups are consecutive and never straddle a block)."""
     rows = s.states.shape[0]
     if group is not None and rows > ROWS_PER_CALL:
         parts = [preset_weights(name, s.rows(slice(i, i + ROWS_PER_CALL)), model, group[i:i + ROWS_PER_CALL],
-                                statistics) for i in range(0, rows, ROWS_PER_CALL)]
+                                statistics, None if task is None else TaskAdvantages(
+                                    task.advantages[i:i + ROWS_PER_CALL], task.beta, task.normalized), eos)
+                 for i in range(0, rows, ROWS_PER_CALL)]
         path = None if parts[0][1] is None else (torch.cat([p[1][0] for p in parts]), parts[0][1][1])
         return torch.cat([p[0] for p in parts]), path
+    end = s.eos(model.vocab) if eos else None
     if name == "full":
         kl = state_kl(model.logits, model.ref_logits)
         mf = s.mask.to(DTYPE)
         kl_t = kl[s.states] * mf
         log_rho = torch.zeros_like(kl_t) if s.old_logp is None else (s.logp - s.old_logp) * mf
-        path_w, score = full_coefficients(kl_t, log_rho, mf, full_statistics(kl_t, log_rho, mf, group))
+        stats = full_statistics(kl_t, s.logp, s.ref_logp, s.mask, old_logp=s.old_logp, group=group, task=task,
+                                eos=end)
+        eta = None if end is None else termination_increments(end, mf, DTYPE)
+        path_w, score = full_coefficients(kl_t, (s.logp - s.ref_logp) * mf, log_rho, mf, stats, eta)
         lp, lq = torch.log_softmax(model.logits, -1), torch.log_softmax(model.ref_logits, -1)
         return score, (path_w, lp.exp() * (lp - lq - kl[:, None]))
     extra = {}
     if PRESETS[name].uses_batch_statistics:
-        extra = ({"statistics": kl_statistics(s.logp, s.ref_logp, s.mask, old_logp=s.old_logp, group=group)}
-                 if statistics == "rollout" else {"group": group})
+        extra = ({"statistics": kl_statistics(s.logp, s.ref_logp, s.mask, old_logp=s.old_logp, group=group,
+                                              preset=name, task=task, eos=end), "eos": end}
+                 if statistics == "rollout" else {"group": group, "task": task, "eos": end})
     return kl_coefficients(s.logp, s.ref_logp, s.mask, preset=name, old_logp=s.old_logp, **extra), None
 
 
@@ -200,6 +254,13 @@ def preset_gradients(name: str, s: Samples, model: Bigram, group: Tensor, group_
     """[n / G, V * V] batch gradients of one preset on rows grouped into consecutive batches of group_size."""
     c, path = preset_weights(name, s, model, group, statistics)
     return batch_gradients(s, torch.softmax(model.logits, -1), group_size, c, path)
+
+
+def task_advantages(s: Samples, group_size: int, scale: float, beta: float) -> TaskAdvantages:
+    """GRPO advantages of R = scale * (number of tokens 0): R minus the mean of its batch of group_size rows."""
+    reward = scale * ((s.tokens == 0) & s.mask).sum(-1).to(DTYPE)
+    batch = reward.view(-1, group_size)
+    return TaskAdvantages((batch - batch.mean(-1, keepdim=True)).flatten(), beta)
 
 
 class Moments:
@@ -255,32 +316,44 @@ def n_sequences(horizon: int, args: argparse.Namespace) -> int:
 
 
 def run_grid(args: argparse.Namespace) -> list[dict]:
-    cells = [(h, d, r) for h in args.horizons for d in args.drifts for r in args.regimes]
-    progress = Progress(sum(n_sequences(h, args) * h for h, _, _ in cells), "variance")
+    cells = [(h, d, r, st) for h in args.horizons for d in args.drifts for r in args.regimes for st in args.states]
+    progress = Progress(sum(n_sequences(h, args) * h for h, _, _, _ in cells), "variance")
     rows = []
-    for horizon, drift, regime in cells:
+    for horizon, drift, regime, state in cells:
         model = bigram(args.vocab, horizon, drift, args.offp, args.eos, args.seed)
+        if state:
+            model = ascended(model, horizon, state, args.task, args.beta, args.ascent_lr)
         target, kl = exact_gradient(model, horizon)
+        task_grad, reward = exact_task_gradient(model, horizon, args.task) if args.task else (None, 0.0)
         gen = torch.Generator().manual_seed(args.seed + 1)
         n, chunk = n_sequences(horizon, args), max(max(args.groups), args.chunk_tokens // horizon // max(args.groups)
                                                    * max(args.groups))
         moments = {(g, p): Moments(target) for g in args.groups for p in args.presets}
+        totals = ({(g, p): Moments((1 - 1 / g) * task_grad - args.beta * target) for g in args.groups
+                   for p in args.presets} if args.task else {})
         quota = {g: min(n, args.max_batches * g) for g in args.groups}  # rows each G uses
         probs = torch.softmax(model.logits, -1)
         t0 = time.perf_counter()
         for start in range(0, n, chunk):
             s = sample(model, min(chunk, n - start), horizon, regime == "off", gen)
-            fixed = {p: preset_weights(p, s, model, None) for p in args.presets if not uses_group(p)}
+            fixed = {p: preset_weights(p, s, model, None, eos=not args.no_eos) for p in args.presets
+                     if not uses_group(p)}
             for g in args.groups:
                 used = min(s.states.shape[0], quota[g] - start)
                 if used <= 0:
                     continue
                 part = s.rows(slice(0, used))
                 group = torch.arange(used) // g
+                task = task_advantages(part, g, args.task, args.beta) if args.task else None
+                g_task = None if task is None else batch_gradients(part, probs, g, task.advantages[:, None])
                 for p in args.presets:
-                    c, path = (fixed[p][0][:used], None) if p in fixed else preset_weights(p, part, model, group)
-                    moments[(g, p)].add(batch_gradients(part, probs, g, c, path))
-            progress.step(s.states.shape[0] * horizon, f"T={horizon} drift={drift} {regime}-policy")
+                    c, path = ((fixed[p][0][:used], None) if p in fixed
+                               else preset_weights(p, part, model, group, task=task, eos=not args.no_eos))
+                    g_kl = batch_gradients(part, probs, g, c, path)
+                    moments[(g, p)].add(g_kl)
+                    if g_task is not None:
+                        totals[(g, p)].add(g_task - args.beta * g_kl)
+            progress.step(s.states.shape[0] * horizon, f"T={horizon} drift={drift} {regime}-policy state {state}")
         seconds = time.perf_counter() - t0
         mean_len = float(s.mask.sum(-1).to(DTYPE).mean())
         for g in args.groups:
@@ -288,10 +361,16 @@ def run_grid(args: argparse.Namespace) -> list[dict]:
             for p in args.presets:
                 m = moments[(g, p)]
                 ratio, ratio_se = ratio_with_se(torch.cat(m.dist), torch.cat(ref.dist))
-                rows.append({"T": horizon, "G": g, "drift": drift, "regime": regime, "preset": p, **m.summary(),
-                             "ratio": m.summary()["trace"] / ref.summary()["trace"], "ratio_se": ratio_se,
-                             "ratio_of_mean_sq_dist": ratio, "kl_seq": kl, "mean_length": mean_len,
-                             "n_sequences": n, "seconds_all_groups_presets": seconds})
+                row = {"T": horizon, "G": g, "drift": drift, "regime": regime, "state": state, "preset": p,
+                       **m.summary(), "ratio": m.summary()["trace"] / ref.summary()["trace"], "ratio_se": ratio_se,
+                       "ratio_of_mean_sq_dist": ratio, "kl_seq": kl, "reward": reward, "mean_length": mean_len,
+                       "n_sequences": n, "seconds_all_groups_presets": seconds}
+                if args.task:
+                    mine, plain = totals[(g, p)].summary(), totals[(g, TOTAL_REFERENCE)].summary()
+                    row.update(total_trace=mine["trace"], total_bias=mine["bias"], total_bias_se=mine["bias_se"],
+                               total_ratio=mine["trace"] / plain["trace"], total_ratio_se=ratio_with_se(
+                                   torch.cat(totals[(g, p)].dist), torch.cat(totals[(g, TOTAL_REFERENCE)].dist))[1])
+                rows.append(row)
     return rows
 
 
@@ -329,21 +408,26 @@ def run_micro(args: argparse.Namespace) -> list[dict]:
 
 
 def grid_table(rows: list[dict], presets: list[str], short: bool = False) -> str:
-    """One line per (drift, regime, G, T): each preset's ratio to token, then each preset's bias / se (short: ratios
-    of the two largest G only)."""
-    head = f"{'drift':>6} {'reg':>4} {'G':>3} {'T':>5} {'batches':>7} | " + " ".join(f"{p[:13]:>13}" for p in presets)
-    out = ["ratio = tr Cov[g] / tr Cov[g_token] (+- se); then relative bias |E g - grad KL_seq| / |grad KL_seq| "
-           "(bias/se: an unbiased preset shows ~1)", head, "-" * len(head)]
-    by = {(r["drift"], r["regime"], r["G"], r["T"], r["preset"]): r for r in rows}
+    """One line per (drift, regime, state, G, T): each preset's ratio to token, then (with a task) each preset's task
+    + KL ratio to sequence-plain, then each preset's bias / se (short: ratios of the two largest G only)."""
+    head = (f"{'drift':>6} {'reg':>4} {'st':>4} {'G':>3} {'T':>5} {'batches':>7} | "
+            + " ".join(f"{p[:13]:>13}" for p in presets))
+    out = ["ratio = tr Cov[g] / tr Cov[g_token] (+- se) of the KL term; task+KL = tr Cov[g_total] / tr Cov[g_total of "
+           f"{TOTAL_REFERENCE}] (with --task); then relative bias |E g - grad KL_seq| / |grad KL_seq| (bias/se: an "
+           "unbiased preset shows ~1); st = ascent steps", head, "-" * len(head)]
+    by = {(r["drift"], r["regime"], r.get("state", 0), r["G"], r["T"], r["preset"]): r for r in rows}
     largest = sorted({r["G"] for r in rows})[-2:]
-    for key in sorted({k[:4] for k in by}):
-        if short and key[2] not in largest:
+    for key in sorted({k[:5] for k in by}):
+        if short and key[3] not in largest:
             continue
         cells = [by[(*key, p)] for p in presets]
-        out.append(f"{key[0]:>6g} {key[1]:>4} {key[2]:>3} {key[3]:>5} {cells[0]['n_batches']:>7} | "
+        out.append(f"{key[0]:>6g} {key[1]:>4} {key[2]:>4} {key[3]:>3} {key[4]:>5} {cells[0]['n_batches']:>7} | "
                    + " ".join(f"{c['ratio']:>7.3g}±{c['ratio_se']:<5.2g}" for c in cells))
+        if "total_ratio" in cells[0]:
+            out.append(f"{'':>6} {'':>4} {'':>4} {'':>3} {'task+KL':>13} | "
+                       + " ".join(f"{c['total_ratio']:>7.3g}±{c['total_ratio_se']:<5.2g}" for c in cells))
         if not short:
-            out.append(f"{'':>6} {'':>4} {'':>3} {'bias':>5} {'':>7} | "
+            out.append(f"{'':>6} {'':>4} {'':>4} {'':>3} {'bias':>13} | "
                        + " ".join(f"{c['bias']:>7.2g}/{c['bias'] / c['bias_se']:<5.2g}" for c in cells))
     return "\n".join(out)
 
@@ -366,9 +450,9 @@ RATIO_TARGETS = (("sequence", 256, 1.5), ("sequence", 4096, 3.0), ("reward", 256
 
 
 def targets_report(rows: list[dict]) -> str:
-    """Every cell against the targets: ratio bounds (small drift, on-policy, G >= 16), reduced <= plain in every cell,
-    off-policy ratio within 2x of on-policy."""
-    by = {(r["T"], r["G"], r["drift"], r["regime"], r["preset"]): r for r in rows}
+    """Every cell against the targets: ratio bounds (small drift, on-policy, G >= 16), reduced <= plain in every cell
+    (KL term; and task + KL where measured), off-policy ratio within 2x of on-policy."""
+    by = {(r["T"], r["G"], r["drift"], r["regime"], r.get("state", 0), r["preset"]): r for r in rows}
     small = min(r["drift"] for r in rows)
     out, met, total = [], 0, 0
 
@@ -379,20 +463,25 @@ def targets_report(rows: list[dict]) -> str:
 
     out.append(f"1. ratio to token, on-policy, drift {small:g}, G >= 16 (bound applies to T <= 256, or T = 4096)")
     for preset, horizon, bound in RATIO_TARGETS:
-        for (t, g, d, reg, p), r in sorted(by.items()):
+        for (t, g, d, reg, st, p), r in sorted(by.items()):
             in_range = t <= 256 if horizon == 256 else t == horizon
-            if p == preset and d == small and reg == "on" and g >= 16 and in_range:
+            if p == preset and d == small and reg == "on" and g >= 16 and in_range and st == 0:
                 out.append(f"   {verdict(r['ratio'] <= bound)} {p:<9} T={t:<5} G={g:<3} ratio {r['ratio']:.3g} "
                            f"+- {r['ratio_se']:.2g} (bound {bound:g}; {r['n_batches']} batches)")
-    out.append("2. reduced <= plain in every cell (sequence vs sequence-plain, reward vs reward-plain)")
-    for (t, g, d, reg, p), r in sorted(by.items()):
-        plain = by.get((t, g, d, reg, f"{p}-plain"))
-        if p in ("sequence", "reward") and plain is not None:
-            out.append(f"   {verdict(r['ratio'] <= plain['ratio'])} {p:<9} T={t:<5} G={g:<3} drift={d:<5g} {reg:>3}: "
-                       f"{r['ratio']:.3g} vs plain {plain['ratio']:.3g}")
+    out.append("2. reduced <= plain in every cell (sequence and full vs sequence-plain, reward vs reward-plain; KL term"
+               " alone, and task + KL where measured)")
+    for (t, g, d, reg, st, p), r in sorted(by.items()):
+        plain = by.get((t, g, d, reg, st, "reward-plain" if p == "reward" else TOTAL_REFERENCE))
+        if p in ("sequence", "reward", "full") and plain is not None:
+            where = f"{p:<9} T={t:<5} G={g:<3} drift={d:<5g} {reg:>3} state={st:<4}"
+            out.append(f"   {verdict(r['ratio'] <= plain['ratio'])} {where} KL: {r['ratio']:.3g} vs plain "
+                       f"{plain['ratio']:.3g}")
+            if "total_ratio" in r:
+                out.append(f"   {verdict(r['total_ratio'] <= plain['total_ratio'])} {where} task+KL: "
+                           f"{r['total_ratio']:.3g} vs plain {plain['total_ratio']:.3g}")
     out.append("3. off-policy ratio within 2x of on-policy (same T, G, drift)")
-    for (t, g, d, reg, p), r in sorted(by.items()):
-        on = by.get((t, g, d, "on", p))
+    for (t, g, d, reg, st, p), r in sorted(by.items()):
+        on = by.get((t, g, d, "on", st, p))
         if reg == "off" and p in ("sequence", "reward", "full") and on is not None:
             factor = r["ratio"] / on["ratio"]
             out.append(f"   {verdict(factor <= 2.0)} {p:<9} T={t:<5} G={g:<3} drift={d:<5g}: off {r['ratio']:.3g} / "
@@ -416,7 +505,8 @@ def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
             for k, p in enumerate(args.presets):
                 for g in shown:
                     pts = sorted((r["T"], r["ratio"]) for r in rows if r["preset"] == p and r["G"] == g
-                                 and r["drift"] == drift and r["regime"] == regime and r["ratio"] > 0)
+                                 and r["drift"] == drift and r["regime"] == regime and r["ratio"] > 0
+                                 and r.get("state", 0) == args.states[0])
                     if pts:
                         ax.plot(*zip(*pts), styles[g], color=f"C{k}", marker="o", ms=3,
                                 label=f"{p} G={g}" if (i, j) == (0, 0) else None)
@@ -456,6 +546,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batches", type=int, default=4096, help="use at most this many batches per G")
     ap.add_argument("--chunk-tokens", type=int, default=2 ** 19, help="tokens processed at once (memory)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", type=float, default=0.0,
+                    help="task reward scale: R = TASK * (number of tokens 0); 0 = the KL term alone")
+    ap.add_argument("--beta", type=float, default=0.1, help="KL coefficient of the task + KL gradient (with --task)")
+    ap.add_argument("--states", type=int, nargs="+", default=[0],
+                    help="exact Adam ascent steps on J = E[R] - beta KL from the drifted policy (with --task)")
+    ap.add_argument("--ascent-lr", type=float, default=0.01)
+    ap.add_argument("--no-eos", action="store_true", help="without the end-of-sequence probabilities (no termination "
+                    "control variate)")
     ap.add_argument("--note", default="", help="machine conditions to record in the results (e.g. other work running)")
     ap.add_argument("--name", default=None, help="results go to bench/results/variance_<name>.*")
     ap.add_argument("--targets", type=Path, default=None,
@@ -476,6 +574,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown presets {unknown}; valid: {', '.join(BENCH_PRESETS)}")
     if REFERENCE not in args.presets:
         args.presets.append(REFERENCE)
+    if args.task and TOTAL_REFERENCE not in args.presets:
+        args.presets.append(TOTAL_REFERENCE)
+    if any(args.states) and not args.task:
+        ap.error("--states moves the policy towards the regularized optimum of the task: it needs --task")
     return args
 
 

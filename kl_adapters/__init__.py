@@ -2,7 +2,9 @@
 
 Public API (stable names):
     kl_surrogate(logp, ref_logp, mask, *, preset="sequence", beta=1.0, old_logp=None, is_clip=None) -> 0-dim tensor
-    kl_statistics(logp, ref_logp, mask, *, old_logp=None, group=None) -> KLStatistics   leave-one-out batch statistics
+    kl_statistics(logp, ref_logp, mask, *, old_logp=None, group=None, task=None, eos=None) -> KLStatistics
+                                                                   leave-one-out batch statistics
+    TaskAdvantages(advantages, beta, normalized), EndOfSequence(prob, is_eos, horizon)   what the statistics fit to
     kl_term(...) -> KLTerm                                         one validated pass: loss term, weights, metrics
     kl_reward, kl_coefficients, sequence_kl, per_sequence_beta    KL reward tensor, gradient weights, diagnostics
     PRESETS, SAMPLED_TOKEN_PRESETS, RECOMMENDED, get_preset, Preset   the preset registry (every preset, `full` too)
@@ -27,6 +29,8 @@ _EXPORTS = {
     "kl_term": "surrogate",
     "kl_statistics": "surrogate",
     "KLStatistics": "reductions",
+    "TaskAdvantages": "reductions",
+    "EndOfSequence": "reductions",
     "KLTerm": "surrogate",
     "sequence_kl": "surrogate",
     "per_sequence_beta": "surrogate",
@@ -48,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .activation import active, disable, enable
     from .full_vocab import full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics
     from .presets import PRESETS, RECOMMENDED, SAMPLED_TOKEN_PRESETS, Preset, get_preset
-    from .reductions import KLStatistics
+    from .reductions import EndOfSequence, KLStatistics, TaskAdvantages
     from .surrogate import (KLTerm, kl_coefficients, kl_reward, kl_statistics, kl_surrogate, kl_term,
                             per_sequence_beta, sequence_kl)
 

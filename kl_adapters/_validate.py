@@ -14,14 +14,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None = None,
-                also_finite: dict[str, Tensor] | None = None) -> Tensor:
+                also_finite: dict[str, Tensor] | None = None, also_false: dict[str, Tensor] | None = None) -> Tensor:
     """Validate a [B, T] batch of per-token log-probs and return the mask as a bool tensor.
 
     Raises TypeError / ValueError naming the offending argument when: an argument is not a tensor, shapes or devices
     differ, tensors are not 2-D, log-probs are not floating point, the mask holds values other than 0/1, or a log-prob is
     non-finite at a real (unmasked) token. Padding may hold anything (it is never read past this check).
-    also_finite: further [B, T]-broadcastable tensors (already shape-checked) that must be finite at real tokens.
-    One host synchronisation for all value checks.
+    also_finite: further [B, T]-broadcastable tensors (already shape-checked) that must be finite at real tokens;
+    also_false: 0-dim bool tensors, each raising ValueError(its key) when true. One host synchronisation for all.
     """
     import torch
     from torch import Tensor
@@ -51,7 +51,11 @@ def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor |
             flags.append((name, nonfinite_real_token))
     for name, t in (also_finite or {}).items():
         flags.append((name, (~torch.isfinite(t.detach()) & m).any()))
-    bad = torch.stack([f for _, f in flags]).tolist()
+    rules = [(message, flag.to(mask.device)) for message, flag in (also_false or {}).items()]
+    bad = torch.stack([f for _, f in flags + rules]).tolist()
+    for (message, _), is_bad in zip(rules, bad[len(flags):]):
+        if is_bad:
+            raise ValueError(message)
     if bad[0]:
         raise ValueError("mask must contain only 0/1 (or bool) values")
     for (name, _), is_bad in zip(flags[1:], bad[1:]):
@@ -60,31 +64,105 @@ def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor |
     return m
 
 
-def check_statistics(cv_coef: Tensor, baseline: Tensor, alone: Tensor | None, logp: Tensor) -> dict[str, Tensor]:
-    """KLStatistics rows must align with the [B, T] batch: cv_coef [B], baseline [B, T] floating, alone None or [B]
-    bool, all on logp's device.
+def check_statistics(statistics, logp: Tensor) -> dict[str, Tensor]:
+    """KLStatistics rows must align with the [B, T] batch: cv_coef, eos_coef, past_coef [B] and baseline [B, T],
+    floating point, on logp's device.
 
     Returns the tensors to check for finiteness at real tokens (broadcast to [B, T]) in check_batch's one sync.
     """
     from torch import Tensor
-    for name, t, shape in (("statistics.cv_coef", cv_coef, logp.shape[:1]), ("statistics.baseline", baseline,
-                                                                            logp.shape)):
+    rows = tuple(logp.shape[:1])
+    named = {"cv_coef": rows, "eos_coef": rows, "past_coef": rows, "baseline": tuple(logp.shape)}
+    out = {}
+    for field, shape in named.items():
+        name, t = f"statistics.{field}", getattr(statistics, field)
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (rows aligned with logp "
-                             f"{tuple(logp.shape)}: slice the statistics with the batch)")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} (rows aligned with logp "
+                             f"{tuple(logp.shape)}: slice the statistics with the batch, KLStatistics.with_width for "
+                             "the positions)")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating point, got {t.dtype}")
         if t.device != logp.device:
             raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
-    if alone is not None:
-        import torch
-        if not isinstance(alone, Tensor) or alone.dtype != torch.bool or alone.shape != logp.shape[:1]:
-            raise TypeError(f"statistics.alone must be None or a bool tensor of shape ({logp.shape[0]},)")
-        if alone.device != logp.device:
-            raise ValueError(f"statistics.alone is on {alone.device}, logp on {logp.device}")
-    return {"statistics.cv_coef": cv_coef[:, None].expand(logp.shape), "statistics.baseline": baseline}
+        out[name] = t if t.dim() == 2 else t[:, None].expand(logp.shape)
+    return out
+
+
+def eos_rule(statistics, eos) -> dict[str, Tensor]:
+    """check_batch's also_false rule for given statistics whose termination coefficient needs an EndOfSequence."""
+    if statistics is None or eos is not None:
+        return {}
+    return {"statistics.eos_coef is nonzero (they were computed with eos=EndOfSequence(...)) but this call has no eos: "
+            "pass the same batch's EndOfSequence, or statistics computed without it":
+            (statistics.eos_coef.detach() != 0).any()}
+
+
+def check_statistics_options(statistics, group, task) -> None:
+    """Given statistics replace the ones group / task would shape: both together are a silent no-op."""
+    if statistics is not None and group is not None:
+        raise ValueError("group only selects the rows statistics are computed from: pass statistics or group, not both")
+    if statistics is not None and task is not None:
+        raise ValueError("task only shapes statistics computed from this batch: pass it to kl_statistics / "
+                         "full_statistics, which made the given statistics")
+
+
+def check_task(task, logp: Tensor) -> dict[str, Tensor]:
+    """TaskAdvantages: advantages [B] or [B, T] floating on logp's device, beta finite and > 0, normalized a bool.
+
+    Returns the advantages broadcast to [B, T] for check_batch's finiteness check at real tokens.
+    """
+    from torch import Tensor
+
+    from .reductions import TaskAdvantages
+    if not isinstance(task, TaskAdvantages):
+        raise TypeError(f"task must be a kl_adapters.TaskAdvantages, got {type(task).__name__}")
+    adv = task.advantages
+    if not isinstance(adv, Tensor) or not adv.is_floating_point():
+        raise TypeError(f"task.advantages must be a floating-point torch.Tensor, got {getattr(adv, 'dtype', type(adv))}")
+    if tuple(adv.shape) not in (tuple(logp.shape[:1]), tuple(logp.shape)):
+        raise ValueError(f"task.advantages has shape {tuple(adv.shape)}, expected ({logp.shape[0]},) or "
+                         f"{tuple(logp.shape)}")
+    if adv.device != logp.device:
+        raise ValueError(f"task.advantages is on {adv.device}, logp on {logp.device}")
+    beta = task.beta.item() if isinstance(task.beta, Tensor) else task.beta
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
+        raise ValueError(f"task.beta must be a finite number > 0 (the KL coefficient on the advantages' scale), got "
+                         f"{task.beta!r}")
+    if not isinstance(task.normalized, bool):
+        raise TypeError(f"task.normalized must be a bool, got {type(task.normalized).__name__}")
+    return {"task.advantages": adv if adv.dim() == 2 else adv[:, None].expand(logp.shape)}
+
+
+def check_eos(eos, logp: Tensor) -> dict[str, Tensor]:
+    """EndOfSequence: prob [B, T] floating, is_eos [B, T] bool, on logp's device; horizon None or an int >= T.
+
+    Returns the tensors for check_batch's one sync: prob must be finite and in [0, 1] at real tokens.
+    """
+    import torch
+    from torch import Tensor
+
+    from .reductions import EndOfSequence
+    if not isinstance(eos, EndOfSequence):
+        raise TypeError(f"eos must be a kl_adapters.EndOfSequence, got {type(eos).__name__}")
+    for name, t in (("eos.prob", eos.prob), ("eos.is_eos", eos.is_eos)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} (the shape of logp)")
+        if t.device != logp.device:
+            raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
+    if not eos.prob.is_floating_point():
+        raise TypeError(f"eos.prob must be floating point, got {eos.prob.dtype}")
+    if eos.is_eos.dtype != torch.bool:
+        raise TypeError(f"eos.is_eos must be a bool tensor, got {eos.is_eos.dtype}")
+    h = eos.horizon
+    if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < logp.shape[1]):
+        raise ValueError(f"eos.horizon must be None or an int >= the batch width {logp.shape[1]}, got {h!r}")
+    p = eos.prob.detach()
+    # NaN where p is outside [0, 1], so that check_batch's finiteness check names it
+    return {"eos.prob (a probability in [0, 1])": torch.where((p >= 0) & (p <= 1), p, float("nan"))}
 
 
 def check_group(group: Tensor | None, logp: Tensor) -> None:

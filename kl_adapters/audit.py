@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .presets import PRESETS, SAMPLED_TOKEN_PRESETS, Preset, get_preset
+from .reductions import EndOfSequence, TaskAdvantages
 from .surrogate import kl_coefficients, kl_statistics, kl_surrogate
 
 DTYPE = torch.float64
@@ -160,6 +161,9 @@ def batch_moments(
     behaviour_logits: Tensor | None = None,
     groups: tuple[int, ...] | None = None,
     precomputed: bool = False,
+    rewards: Tensor | None = None,
+    normalized: bool = False,
+    eos: bool = False,
     chunk: int = 16384,
 ) -> tuple[Tensor, float]:
     """Exact E[g] and tr Cov[g] of the batch gradient g of `kl_surrogate` on G = group_size i.i.d. sequences.
@@ -171,6 +175,10 @@ def batch_moments(
     Batches are stacked into one [chunk * G, T] call with one group id per batch, so the leave-one-out statistics
     stay inside each batch; groups = a G-tuple of local ids splits each batch further (e.g. (0, 0, 1)), and
     precomputed=True passes kl_statistics of the same rows as statistics= (the rollout-time path).
+    rewards [N] (one per sequence): the statistics are fitted with GRPO's task advantages of each batch, r minus the
+    mean of its (local) group, divided by the group's standard deviation when normalized (TaskAdvantages, beta 0.5);
+    eos: with the policy's end-of-sequence probabilities (EndOfSequence, the termination control variate). Either
+    way the mean must stay the KL gradient's: only the statistics change.
     """
     spec = get_preset(preset)
     n = space.num_sequences
@@ -195,8 +203,10 @@ def batch_moments(
         old_rows = None if old is None else old[rows]
         stats = {}
         if spec.uses_batch_statistics:
-            stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group)}
-                     if precomputed else {"group": group})
+            extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos)
+            stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group,
+                                                  **extra), "eos": extra.get("eos")}
+                     if precomputed else {"group": group, **extra})
         c = kl_coefficients(lp[rows], ref[rows], space.mask[rows], preset=spec, old_logp=old_rows, **stats)
         values = c[..., None] * score[rows] / group_size  # [C * G, T, V]; c = 0 at padding
         batch_of_row = torch.arange(len(batch_ids)).repeat_interleave(group_size)
@@ -207,6 +217,27 @@ def batch_moments(
         mean += weight @ g
         second += weight @ g.square().sum(-1)
     return mean, float(second - mean.square().sum())
+
+
+def task_and_eos(space: SequenceSpace, logits: Tensor, rows: Tensor, group: Tensor, rewards: Tensor | None,
+                  normalized: bool, eos: bool) -> dict:
+    """`task` / `eos` arguments for the rows of a stack of batches (batch_moments, tests/core/test_full_vocab.py):
+    GRPO advantages of `rewards` per group id (None: no task), the policy's end-of-sequence probabilities."""
+    extra = {}
+    if rewards is not None:
+        r = rewards[rows].to(DTYPE)
+        same = torch.unique(group, return_inverse=True)[1]
+        size = torch.zeros(int(same.max()) + 1, dtype=DTYPE).index_add_(0, same, torch.ones_like(r))
+        mean = torch.zeros_like(size).index_add_(0, same, r) / size
+        adv = r - mean[same]
+        if normalized:
+            var = torch.zeros_like(size).index_add_(0, same, adv.square()) / (size - 1).clamp(min=1)
+            adv = adv / (var.sqrt()[same] + 1e-4)
+        extra["task"] = TaskAdvantages(adv, 0.5, normalized)
+    if eos:
+        prob = torch.softmax(logits.detach(), -1)[space.node_of_token[rows], space.eos] * space.mask[rows]
+        extra["eos"] = EndOfSequence(prob, (space.token[rows] == space.eos) & space.mask[rows])
+    return extra
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,23 @@ prefix; g_t = grad log pi(y_t|y_<t); rho_t = pi(y_t)/mu(y_t), w_{1:t} = prod_{s<
 
 Gradient (per sequence; the loss averages over the B rows):
 
-    grad KL_seq = E_mu[ sum_t w_{1:t-1} grad KL_t  +  sum_t g_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) ]
+    grad KL_seq = E_mu[ sum_t w_{1:t-1} grad KL_t  +  sum_t g_t c_t ],   c_t = sum_{s>t} w_{1:s-1} KL_s  (+ reductions)
 
-with grad KL_t pathwise through the policy's logits at t (prefix fixed) and KL_s, b_t detached. Derivation:
+with grad KL_t pathwise through the policy's logits at t (prefix fixed) and c_t detached. Derivation:
 KL_seq = sum_t E_pi[KL_t(y_<t)], and grad E_pi[f_theta(y_<t)] = E_pi[grad f + f sum_{u<t} g_u]; summing over t,
 the score g_u collects every KL_s with s > u. Off-policy, a function of y_<s needs the weight w_{1:s-1}: KL_s already
 averages y_s under pi, so one ratio fewer than the sampled-token form (E_mu[w_{1:s-1} f(y_<s)] = E_pi[f]); g_t KL_s
-(t < s) is such a function, and grad KL_t is one of y_<t. The baseline is exact for any b_t independent of y_t given
-y_<t: E_mu[w_{1:t} g_t b_t | y_<t] = w_{1:t-1} b_t E_pi[g_t | y_<t] = 0. Here b_t is the leave-one-out mean over the
-batch's (or group's) other rows alive at t of their return P_t = sum_{s>t} w_{t+1:s-1} KL_s -- the part of the
-score weight that follows position t -- computed with `reductions.conditional_returns` / `leave_one_out_baseline`
-(the same parts the `sequence` preset uses, fed with KL_{t+1} in place of k1_t; `full_statistics`). A row alone in
-its group gets b = 0. Pinned by tests/core/test_full_vocab.py::test_full_is_exact_over_every_batch (every ordered
-batch of G = 1, 2 sequences, on- and off-policy, ragged lengths).
+(t < s) is such a function, and grad KL_t is one of y_<t.
+
+Reductions (reductions.py states them and why they keep the gradient exact): the score weight gets
+
+    + a_b sum_{s>t} (w_{1:s} k1_s - w_{1:s-1} KL_s) + h_b sum_{s>t} w_{1:s} eta_s + w_{1:t} (lambda_b Pi_t - m_{b,t})
+
+-- the resampling control variate (E_pi[k1_s | y_<s] = KL_s; near the regularized optimum it puts back the sampled
+k1 whose noise the task reward cancels), the termination control variate and the baseline, with statistics from the
+other rows of the batch or group (`full_statistics`), fitted to the trainer's task + KL gradient. Pinned by
+tests/core/test_full_vocab.py::test_full_is_exact_over_every_batch (every ordered batch of G = 1, 2 sequences, on-
+and off-policy, ragged lengths, with task advantages and end-of-sequence probabilities).
 
 Value (for logging): sum_t w_{1:t-1} KL_t per sequence (= sum_t KL_t on-policy), unbiased for KL_seq.
 
@@ -42,13 +46,16 @@ says so.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._validate import check_batch, check_beta, check_group, check_statistics
+from ._validate import (check_batch, check_beta, check_eos, check_group, check_statistics, check_statistics_options,
+                        check_task, eos_rule)
 from .estimators import reverse_cumsum, working_dtype
-from .reductions import KLStatistics, conditional_returns, leave_one_out_baseline, other_moments, same_group
+from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum, past_kl,
+                         relative_returns, same_group, score_weight, task_in_kl_units, termination_increments)
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
@@ -70,34 +77,71 @@ def _next(x: Tensor) -> Tensor:
     return torch.cat([x[..., 1:], torch.zeros_like(x[..., :1])], -1)
 
 
-def full_statistics(kl: Tensor, log_rho: Tensor, mask: Tensor, group: Tensor | None = None) -> KLStatistics:
-    """Leave-one-out baseline b_{b,t} of `full` from detached per-token exact KL_t [B, T] (zero at padding).
+def full_statistics(kl: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *, old_logp: Tensor | None = None,
+                    group: Tensor | None = None, task: TaskAdvantages | None = None,
+                    eos: EndOfSequence | None = None) -> KLStatistics:
+    """Leave-one-out statistics of `full` (`reductions.KLStatistics`) from a [B, T] batch: exact per-token KL_t (kl,
+    detached), the sampled tokens' log-probs under both models (logp, ref_logp) and the behaviour policy's (old_logp,
+    None = on-policy), fitted with the trainer's `task` advantages and the termination control variate from `eos`.
 
-    b_{b,t} = the leave-one-out mean over the other rows b' of b's group alive at t of P_{b',t} = sum_{s>t}
-    w_{t+1:s-1} KL_s (their return after t given they reached t), 0 where no other row is alive, with the shrinkage
-    of `reductions.leave_one_out_baseline` (its per-token terms are KL_{t+1} here, with no control variate).
-    cv_coef is unused by `full` (zeros).
-    Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
+    For row b, from the other rows of b's group (reductions.batch_statistics): the other rows' return after t given
+    they reached t, P_t = sum_{s>t} w_{t+1:s-1} KL_s, the resampling control variate D_t = sum_{s>t} (w_{t+1:s} k1_s -
+    w_{t+1:s-1} KL_s) (cv_coef: its coefficient, fitted jointly; 0 on the KL term alone, where D only adds the
+    sampling noise `full` removes) and the termination one (eos_coef = -rho kappa_b, kappa_b the mean exact KL per
+    token). Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
     """
-    m = mask.to(kl.dtype)
-    terms, none, same = _next(kl * m), torch.zeros_like(kl), same_group(group)
-    p, _ = conditional_returns(terms, none, m, log_rho * m)
-    zero_coef = torch.zeros(kl.shape[0], dtype=kl.dtype, device=kl.device)
-    baseline = leave_one_out_baseline(p=p, q=none, cv=none, mask=m, moments=other_moments(terms, none, m, same),
-                                      cv_coef=zero_coef, same=same)
-    return KLStatistics(cv_coef=zero_coef, baseline=baseline)
+    finite = {}
+    for value, check in ((task, check_task), (eos, check_eos)):
+        if value is not None:
+            finite.update(check(value, logp))
+    m = check_batch(logp, ref_logp, mask, old_logp, also_finite={"kl": kl, **finite})
+    check_group(group, logp)
+    dtype = working_dtype(logp, ref_logp, old_logp, kl)
+    mf = m.to(dtype)
+    lp = torch.where(m, logp.detach().to(dtype), 0.0)
+    k1 = lp - torch.where(m, ref_logp.detach().to(dtype), 0.0)
+    log_rho = torch.zeros_like(lp) if old_logp is None else lp - torch.where(m, old_logp.detach().to(dtype), 0.0)
+    task = None if task is None else TaskAdvantages(torch.where(m, (task.advantages if task.advantages.dim() == 2 else
+                                                                    task.advantages[:, None]).detach().to(dtype), 0.0),
+                                                    task.beta, task.normalized)
+    eta = None if eos is None else termination_increments(eos, mf, dtype)
+    return _statistics(torch.where(m, kl.detach().to(dtype), 0.0), k1, lp, log_rho, mf, eta, task, group)
 
 
-def full_coefficients(kl: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics) -> tuple[Tensor, Tensor]:
+def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Tensor, eta: Tensor | None,
+                task: TaskAdvantages | None, group: Tensor | None) -> KLStatistics:
+    """`full_statistics` from validated, detached terms in the working dtype (zero at padding)."""
+    same = same_group(group)
+    channels = [_next(kl), k1] + ([] if eta is None else [eta])
+    ret = relative_returns(torch.stack(channels, 1), mask, log_rho)
+    future = ret[:, 0]  # sum_{s>t} w_{t+1:s-1} KL_s
+    returns = Returns(ret=future, cv=torch.zeros_like(kl), past=past_kl(k1, mask),
+                      eos=None if eta is None else ret[:, 2] - eta, resample=ret[:, 1] - k1 - future)
+    x = others_sum(torch.stack((kl, mask), 1).sum(-1), same)
+    kappa = torch.where(x[:, 1] > 0, x[:, 0] / x[:, 1].clamp(min=1.0), 0.0)
+    return batch_statistics(returns, torch.zeros_like(kappa), kappa, *task_in_kl_units(task),
+                            score_weight(logp, mask), mask, same)
+
+
+def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics,
+                      eta: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The detached weights of `full` on a [B, T] batch: (pathwise weight w_{1:t-1} on grad KL_t, score weight
-    sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t on g_t), both zero at padding.
+    sum_{s>t} w_{1:s-1} KL_s + sum_{s>t} (a (w_{1:s} k1_s - w_{1:s-1} KL_s) + h w_{1:s} eta_s) + w_{1:t}
+    (lambda Pi_t - m_t) on g_t), both zero at padding (reductions.py: the control variates and the baseline).
 
-    kl: exact per-token KL_t; log_rho: log pi/mu at the sampled tokens (zeros on-policy); mask: 0/1 in kl's dtype.
+    kl: exact per-token KL_t; k1: log pi/pi_ref at the sampled tokens; log_rho: log pi/mu there (zeros on-policy);
+    mask: 0/1 in kl's dtype; eta: `reductions.termination_increments` or None.
     """
     log_w = (log_rho * mask).cumsum(-1)
     w = torch.exp(log_w) * mask
-    future = reverse_cumsum(w * _next(kl * mask))  # sum_{s>t} w_{1:s-1} KL_s
-    return _path_weights(log_w, mask), (future - w * statistics.baseline) * mask
+    future_kl = reverse_cumsum(w * _next(kl * mask))  # sum_{s>t} w_{1:s-1} KL_s
+    future_k1 = reverse_cumsum(w * k1) - w * k1  # sum_{s>t} w_{1:s} k1_s
+    a = statistics.cv_coef[:, None]
+    score = future_kl + a * (future_k1 - future_kl) + w * (statistics.past_coef[:, None] * past_kl(k1, mask)
+                                                           - statistics.baseline)
+    if eta is not None:
+        score = score + statistics.eos_coef[:, None] * (reverse_cumsum(w * eta) - w * eta)
+    return _path_weights(log_w, mask), score * mask
 
 
 def _path_weights(log_w: Tensor, mask: Tensor) -> Tensor:
@@ -147,9 +191,19 @@ def _chunk_grad(p: Tensor, centred: Tensor, y: Tensor, path_w: Tensor, score_c: 
 ChunkLogits = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The statistics-related arguments of the public functions, passed through autograd.Function.apply as one."""
+
+    statistics: KLStatistics | None
+    group: Tensor | None
+    task: TaskAdvantages | None
+    eos: EndOfSequence | None
+
+
 def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], tokens: Tensor, mask: Tensor,
-             old_logp: Tensor | None, logp: Tensor | None, statistics: KLStatistics | None, group: Tensor | None,
-             chunk_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+             old_logp: Tensor | None, logp: Tensor | None, options: _Options, chunk_size: int, dtype: torch.dtype
+             ) -> tuple[Tensor, Tensor]:
     """Returns ((1/B) sum_b sum_t w_{1:t-1} KL_t, the score weights c / B [B, T], detached) and hands on_grad(indices,
     grad) each chunk's gradient with respect to its logits: of (1/B) [sum w KL + sum c log pi(y)] in a second pass
     when logp is None; of (1/B) sum w KL in the one pass when logp (detached here) is given, the caller adding
@@ -199,14 +253,29 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
                          "the logits' rounding): pass the same policy's log-probs of these tokens, with the same "
                          "temperature")
     logp_, ref_logp = scatter(lp_flat), scatter(lq_flat)
-    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, None, logp_)
-    check_batch(logp_ if given is None else given, ref_logp, mask, old_logp, also_finite=finite)
-    check_group(group, logp_)
+    statistics, task, eos = options.statistics, options.task, options.eos
+    finite = {}
+    for value, check in ((statistics, check_statistics), (task, check_task), (eos, check_eos)):
+        if value is not None:
+            finite.update(check(value, logp_))
+    check_batch(logp_ if given is None else given, ref_logp, mask, old_logp, also_finite=finite,
+                also_false=eos_rule(statistics, eos))
+    check_group(options.group, logp_)
     kl = scatter(kl_flat)
-    log_rho = log_rho_of(logp_ if given is None else given)
-    stats = full_statistics(kl, log_rho, mf, group) if statistics is None else KLStatistics(
-        statistics.cv_coef.detach().to(dtype), torch.where(m, statistics.baseline.detach().to(dtype), 0.0))
-    path_w, score_c = full_coefficients(kl, log_rho, mf, stats)
+    lp = logp_ if given is None else given
+    log_rho, k1 = log_rho_of(lp), (lp - ref_logp) * mf
+    eta = None if eos is None else termination_increments(eos, mf, dtype)
+    if statistics is None:
+        if task is not None:
+            adv = task.advantages.detach().to(dtype)
+            task = TaskAdvantages(torch.where(m, adv if adv.dim() == 2 else adv[:, None], 0.0), task.beta,
+                                  task.normalized)
+        stats = _statistics(kl, k1, lp, log_rho, mf, eta, task, options.group)
+    else:  # padding of a given baseline may hold anything, NaN too
+        stats = KLStatistics(*(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef,
+                                                              statistics.past_coef)),
+                             torch.where(m, statistics.baseline.detach().to(dtype), 0.0))
+    path_w, score_c = full_coefficients(kl, k1, log_rho, mf, stats, eta)
     if given is None:
         path_flat, score_flat = path_w.flatten()[flat] / batch, score_c.flatten()[flat] / batch
         for start in range(0, flat.numel(), chunk_size):  # pass 2: the gradient with respect to each chunk's logits
@@ -219,7 +288,7 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
 
 class _FullFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ref_logits, tokens, mask, old_logp, logp, statistics, group, chunk_size):
+    def forward(ctx, logits, ref_logits, tokens, mask, old_logp, logp, options, chunk_size):
         vocab = logits.shape[-1]
         flat_logits, flat_ref = logits.detach().reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab)
         grad = torch.zeros_like(flat_logits) if logits.requires_grad else None
@@ -229,7 +298,7 @@ class _FullFromLogits(torch.autograd.Function):
                 grad[index] = g.to(grad.dtype)
 
         value, score = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, old_logp, logp,
-                                statistics, group, chunk_size, working_dtype(logits, ref_logits, old_logp, logp))
+                                options, chunk_size, working_dtype(logits, ref_logits, old_logp, logp))
         ctx.save_for_backward(None if grad is None else grad.view_as(logits))
         ctx.mark_non_differentiable(score)
         return value, score
@@ -237,13 +306,12 @@ class _FullFromLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_score):
         (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_out.to(grad.dtype)), *(None,) * 8
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), *(None,) * 7
 
 
 class _FullFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, logp, statistics, group,
-                chunk_size):
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, logp, options, chunk_size):
         h, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
         h_ref, w_ref = ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach()
         grad_h = torch.zeros_like(h) if hidden.requires_grad else None
@@ -257,7 +325,7 @@ class _FullFromHidden(torch.autograd.Function):
                 grad_w.addmm_(g.t().to(acc), h[index].to(acc))
 
         value, score = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, old_logp, logp,
-                                statistics, group, chunk_size,
+                                options, chunk_size,
                                 working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp, logp))
         ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden),
                               None if grad_w is None else grad_w.to(weight.dtype))
@@ -268,7 +336,7 @@ class _FullFromHidden(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_score):
         grad_h, grad_w = ctx.saved_tensors
         return ((None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)),
-                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 9)
+                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 8)
 
 
 def _with_score_term(value: Tensor, score: Tensor, logp: Tensor | None, mask: Tensor) -> Tensor:
@@ -280,10 +348,14 @@ def _with_score_term(value: Tensor, score: Tensor, logp: Tensor | None, mask: Te
     return value + (term - term.detach())
 
 
-def _check_common(beta: float | Tensor, chunk_size: int) -> None:
+def _options(beta: float | Tensor, chunk_size: int, statistics: KLStatistics | None, group: Tensor | None,
+             task: TaskAdvantages | None, eos: EndOfSequence | None) -> _Options:
+    """The public functions' common checks; their statistics-related arguments as one `_Options`."""
     check_beta(beta)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_statistics_options(statistics, group, task)
+    return _Options(statistics, group, task, eos)
 
 
 def _check_logps(old_logp: Tensor | None, logp: Tensor | None, tokens: Tensor) -> None:
@@ -309,6 +381,8 @@ def full_kl_surrogate(
     logp: Tensor | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
+    task: TaskAdvantages | None = None,
+    eos: EndOfSequence | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> Tensor:
     """Preset `full` from both models' logits at the completion positions: a 0-dim loss term to add to a minimized loss.
@@ -316,14 +390,15 @@ def full_kl_surrogate(
     logits [B, T, V] (policy, carrying the gradient; logits[b, t] predicts tokens[b, t]), ref_logits [B, T, V]
     (reference, detached), tokens [B, T] sampled ids, mask [B, T] (bool or 0/1; ragged lengths and holes allowed;
     padding may hold anything), old_logp [B, T] log mu(y_t) of the behaviour policy (None = on-policy).
-    Gradient: beta * (1/B) sum_b [sum_t w_{1:t-1} grad KL_t + sum_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) g_t]
+    Gradient: beta * (1/B) sum_b [sum_t w_{1:t-1} grad KL_t + sum_t c_t g_t] with the reduced score weight c_t
     (module docstring), unbiased for beta * grad KL_seq on- and off-policy; value beta * (1/B) sum_b sum_t
     w_{1:t-1} KL_t. statistics: `full_statistics` of the whole rollout batch sliced to these rows; None = leave-one-out
-    within this batch (within `group` when given). logp [B, T]: the policy's log-probs of the sampled tokens with their
+    within this batch (within `group` when given), fitted with `task` (the trainer's advantages); eos: the
+    end-of-sequence probabilities (termination control variate). logp [B, T]: the policy's log-probs of the sampled tokens with their
     autograd graph (e.g. the ones the task loss uses): one pass over the chunks instead of two, the score part of the
     gradient flowing through logp (module docstring, "Passes"). Pinned by tests/core/test_full_vocab.py.
     """
-    _check_common(beta, chunk_size)
+    options = _options(beta, chunk_size, statistics, group, task, eos)
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
@@ -332,7 +407,7 @@ def full_kl_surrogate(
     if ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits has shape {tuple(ref_logits.shape)}, expected {tuple(logits.shape)}")
     value, score = _FullFromLogits.apply(logits, ref_logits, tokens, mask, old_logp,
-                                         None if logp is None else logp.detach(), statistics, group, chunk_size)
+                                         None if logp is None else logp.detach(), options, chunk_size)
     return beta * _with_score_term(value, score, logp, mask)
 
 
@@ -349,6 +424,8 @@ def full_kl_surrogate_from_hidden(
     logp: Tensor | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
+    task: TaskAdvantages | None = None,
+    eos: EndOfSequence | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> Tensor:
     """`full_kl_surrogate` with logits = hidden @ weight.T (policy) and ref_hidden @ ref_weight.T (reference), computed
@@ -359,7 +436,7 @@ def full_kl_surrogate_from_hidden(
     O(chunk_size x V) plus a float32 [V, H] gradient accumulator (tests/core/test_full_vocab.py::
     test_hidden_path_never_materializes_full_logits).
     """
-    _check_common(beta, chunk_size)
+    options = _options(beta, chunk_size, statistics, group, task, eos)
     for name, t in (("hidden", hidden), ("weight", weight), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
@@ -371,5 +448,5 @@ def full_kl_surrogate_from_hidden(
     if ref_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"ref_weight has {ref_weight.shape[0]} rows (vocabulary), weight has {weight.shape[0]}")
     value, score = _FullFromHidden.apply(hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp,
-                                         None if logp is None else logp.detach(), statistics, group, chunk_size)
+                                         None if logp is None else logp.detach(), options, chunk_size)
     return beta * _with_score_term(value, score, logp, mask)

@@ -14,9 +14,10 @@ Notation: k1_t = log pi/pi_ref (current theta), k3_t = expm1(-k1_t) + k1_t, rho_
 behaviour policy that sampled the batch (rho = 1 on-policy), w_{1:t} = prod_{s<=t} rho_s. Rows refer to the
 configuration table of the project's theory notes (Tang & Munos 2025; Shah et al. 2025).
 
-`sequence` and `reward` are variance-reduced: a control variate a (r_s - 1) on the future terms (r = pi_ref/pi) and
-a baseline b_t, with leave-one-out statistics from the other rows of the batch (`reductions.py` states both and why
-they are exact). `sequence-plain` and `reward-plain` are the same estimators without the reductions.
+`sequence` and `reward` are variance-reduced: control variates on the future terms (a xi_s, xi = pi_ref/pi - 1, and
+the termination control variate h eta_s) and a baseline lambda Pi_t - m_t, with leave-one-out statistics from the other
+rows of the batch fitted to the trainer's task + KL gradient (`reductions.py` states them and why they are exact).
+`sequence-plain` and `reward-plain` are the same estimators without the reductions.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .estimators import k3, reverse_cumsum
-from .reductions import KLStatistics, control_variate
+from .reductions import KLStatistics, TaskAdvantages, control_variate, past_kl
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
 TARGET_NAMES = ("kl_seq", "partial_reverse", "partial_forward", "zero", "kl_seq_minus_partial_forward")
@@ -47,6 +48,12 @@ class Terms:
     statistics: KLStatistics | None = None
     #: log_rho is zero (no old_logp): every importance weight is 1, which the weights below return without arithmetic
     on_policy: bool = False
+    #: log pi of the sampled tokens (zero at padding): the statistics' token weights
+    logp: Tensor | None = None
+    #: termination increments eta_t (reductions.termination_increments), None without EndOfSequence
+    eta: Tensor | None = None
+    #: the trainer's task advantages, [B, T] in the working dtype and zero at padding; None without a task term
+    task: TaskAdvantages | None = None
 
     def token_ratio(self) -> Tensor:
         """rho_t = pi/mu per token, capped at is_clip when set (1 on-policy)."""
@@ -60,6 +67,11 @@ class Terms:
         """r_t - 1 = pi_ref/pi - 1 at real tokens, 0 at padding (`reductions.control_variate`; k3_t = k1_t + cv_t);
         computed once per Terms."""
         return control_variate(self.k1, self.mask)
+
+    @cached_property
+    def past(self) -> Tensor:
+        """Pi_t = sum_{s<t} k1_s, the prefix's KL (`reductions.past_kl`)."""
+        return past_kl(self.k1, self.mask)
 
     @cached_property
     def prefix_weights(self) -> Tensor:
@@ -120,25 +132,31 @@ def _reward_plain(t: Terms) -> Tensor:
     return t.token_ratio() * reverse_cumsum(t.k1)
 
 
-def _future_cv(t: Terms) -> tuple[Tensor, Tensor]:
-    """The reductions' per-token pieces: a_{b,t} (r_t - 1) (control variate) and b_{b,t} (baseline), zero at padding."""
+def _reductions(t: Terms) -> tuple[Tensor, Tensor]:
+    """The reductions' per-token pieces, zero at padding: the control variates' increments a xi_s + h eta_s and the
+    baseline lambda Pi_t - m_t (reductions.py)."""
     if t.statistics is None:
         raise ValueError("this preset needs batch statistics (kl_term computes them); got Terms without statistics")
-    return t.statistics.coefficient(t.k1, t.cv, t.mask) * t.cv, t.statistics.baseline * t.mask
+    st = t.statistics
+    cv = st.cv_coef[:, None] * t.cv
+    if t.eta is not None:
+        cv = cv + st.eos_coef[:, None] * t.eta
+    return cv * t.mask, (st.past_coef[:, None] * t.past - st.baseline) * t.mask
 
 
 def _sequence(t: Terms) -> Tensor:
-    # c_t = sum_{s>=t} w_{1:s} X_s - w_{1:t} (a (r_t - 1) + b_t), X_s = k1_s + a (r_s - 1): the plain weight with the
-    # future control variate and the baseline (reductions.py); same expectation, on- and off-policy.
-    cv, baseline = _future_cv(t)
+    # c_t = sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a xi_s + h eta_s) + w_{1:t} (lambda Pi_t - m_t): the plain
+    # weight with the control variates and the baseline (reductions.py); same expectation, on- and off-policy.
+    cv, baseline = _reductions(t)
     w = t.prefix_weights
-    return reverse_cumsum(w * (t.k1 + cv)) - w * (cv + baseline)
+    return reverse_cumsum(w * (t.k1 + cv)) + w * (baseline - cv)
 
 
 def _reward(t: Terms) -> Tensor:
-    # c_t = rho_t (k1_t + sum_{s>t} X_s - b_t): reward-plain with the same reductions (exact on-policy).
-    cv, baseline = _future_cv(t)
-    return t.token_ratio() * (reverse_cumsum(t.k1 + cv) - cv - baseline)
+    # c_t = rho_t (sum_{s>=t} k1_s + sum_{s>t} (a xi_s + h eta_s) + lambda Pi_t - m_t): reward-plain with the same
+    # reductions (exact on-policy).
+    cv, baseline = _reductions(t)
+    return t.token_ratio() * (reverse_cumsum(t.k1 + cv) + baseline - cv)
 
 
 def _reward_sum(t: Terms) -> Tensor:
@@ -171,9 +189,11 @@ def _k3_reward(t: Terms) -> Tensor:
 _SEQUENCE = Preset(
     name="sequence",
     summary="Unbiased for the sequence-level reverse KL, on- and off-policy (per-decision importance weights), "
-    "variance-reduced with batch statistics (leave-one-out over the other sequences).",
-    gradient="sum_t grad log pi_t * (sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} a (r_s - 1) - w_{1:t} b_t), "
-    "r = pi_ref/pi, a and b_t leave-one-out over the batch's other rows",
+    "variance-reduced for the trainer's task + KL gradient with batch statistics (leave-one-out over the other "
+    "sequences).",
+    gradient="sum_t grad log pi_t * (sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a xi_s + h eta_s) + w_{1:t} "
+    "(lambda Pi_t - m_t)), xi = pi_ref/pi - 1, eta the termination control variate, Pi_t the prefix KL; a, h, lambda, "
+    "m leave-one-out over the batch's other rows",
     importance_weights="per-decision prefix products w_{1:t} (exact; is_clip caps them, which adds bias)",
     target_on_policy="kl_seq",
     target_off_policy="kl_seq",
@@ -186,9 +206,9 @@ _SEQUENCE = Preset(
 )
 _REWARD = Preset(
     name="reward",
-    summary="k1 (detached) reward-to-go with a control variate on the future terms and a leave-one-out baseline: "
-    "unbiased on-policy; PPO-style ratio off-policy.",
-    gradient="sum_t rho_t grad log pi_t * (k1_t + sum_{s>t} (k1_s + a (r_s - 1)) - b_t)",
+    summary="k1 (detached) reward-to-go with the control variates and baseline of `sequence`: unbiased on-policy; "
+    "PPO-style ratio off-policy.",
+    gradient="sum_t rho_t grad log pi_t * (sum_{s>=t} k1_s + sum_{s>t} (a xi_s + h eta_s) + lambda Pi_t - m_t)",
     importance_weights="per-token ratio rho_t (no prefix products: biased off-policy)",
     target_on_policy="kl_seq",
     target_off_policy=None,
@@ -317,11 +337,11 @@ def _needs_full_logits(t: Terms) -> Tensor:
 #: not in SAMPLED_TOKEN_PRESETS: its weight is not a function of sampled-token log-probs.
 FULL = Preset(
     name="full",
-    summary="Exact per-position KL over the vocabulary (Rao-Blackwellized) plus its future-KL score term with a "
-    "leave-one-out baseline: unbiased for the sequence-level reverse KL on- and off-policy; needs both models' full "
-    "logits (TRL adapter; full_kl_surrogate).",
-    gradient="sum_t w_{1:t-1} grad KL_t + sum_t grad log pi_t * (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t), "
-    "KL_t exact over the vocabulary",
+    summary="Exact per-position KL over the vocabulary (Rao-Blackwellized) plus its future-KL score term with the "
+    "control variates and baseline of `sequence`: unbiased for the sequence-level reverse KL on- and off-policy; "
+    "needs both models' full logits (TRL adapter; full_kl_surrogate).",
+    gradient="sum_t w_{1:t-1} grad KL_t + sum_t grad log pi_t * (sum_{s>t} w_{1:s-1} KL_s + sum_{s>t} (a (w_{1:s} k1_s "
+    "- w_{1:s-1} KL_s) + h w_{1:s} eta_s) + w_{1:t} (lambda Pi_t - m_t)), KL_t exact over the vocabulary",
     importance_weights="per-decision prefix products, one ratio fewer than `sequence` (w_{1:t-1} on KL_t; exact)",
     target_on_policy="kl_seq",
     target_off_policy="kl_seq",

@@ -1,79 +1,164 @@
-"""Variance reductions that the `sequence` and `reward` presets compose, each with its unbiasedness argument.
+"""Variance reductions of the `sequence`, `reward` and `full` presets, fitted to the gradient the trainer takes.
 
-Notation per sequence (presets.py): k1_t = log pi/pi_ref, r_t = pi_ref/pi = exp(-k1_t) at the sampled token,
-rho_t = pi/mu, w_{1:t} = prod_{s<=t} rho_s (1 on-policy), g_t = grad log pi(y_t | y_<t). The plain estimator's
-per-token weight is c_t = sum_{s>=t} w_{1:s} k1_s.
+Notation per sequence (presets.py): k1_t = log pi/pi_ref, xi_t = r_t - 1 = pi_ref/pi - 1 at the sampled token,
+rho_t = pi/mu, w_{1:t} = prod_{s<=t} rho_s (1 on-policy), g_t = grad log pi(y_t | y_<t), Pi_t = sum_{s<t} k1_s (the
+KL of the prefix). With the end-of-sequence probabilities (`EndOfSequence`): p_t = pi(EOS | y_<t), e_t = 1[y_t is an
+EOS token], n_t = horizon - 1 - t (positions a stop at t gives up), nu_t = (1 - (1 - p_t)^n_t) / p_t (the expected
+number of them under a constant stop hazard p_t; n_t as p_t -> 0) and eta_t = nu_t (p_t - e_t).
 
-Two reductions, both exact in expectation (pinned by tests/core/test_batch_exactness.py, every ordered batch of
-G = 1, 2, 3 sequences enumerated, on- and off-policy):
+The trainer's gradient is task + KL: per token, up to a positive factor, (A_{b,t} - beta c_{b,t}) g_{b,t} with A the
+task advantage (`TaskAdvantages`) and c the KL term's weight. The plain `sequence` weight is
+c_t = sum_{s>=t} w_{1:s} k1_s; the reduced one (presets.py) is
 
-1. Future control variate (`control_variate`). For s > t replace k1_s by X_s = k1_s + a (r_s - 1). Given y_<s,
-   g_t and w_{1:s-1} are fixed and E_mu[rho_s (r_s - 1) | y_<s] = E_pi[r_s - 1 | y_<s] = sum_v pi_ref(v) - 1 = 0, so
-   E_mu[g_t w_{1:s} (r_s - 1)] = 0 for any coefficient a that does not depend on the sequence's own tokens
-   (a = 1 turns k1_s into k3_s). At s = t the weight stays k1_t: E[g_t k3_t] is not the reverse-KL gradient.
-2. Baseline (`leave_one_out_baseline`). Subtracting w_{1:t} b_t is exact for any b_t that does not depend on y_t
-   given y_<t: E_mu[w_{1:t} g_t b_t | y_<t] = w_{1:t-1} b_t E_pi[g_t | y_<t] = 0.
+    c_t = sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a_b xi_s + h_b eta_s) + w_{1:t} (lambda_b Pi_t - m_{b,t})
 
-Where a and b come from (`batch_statistics`): leave-one-out over the OTHER sequences of the batch (or of the same
-group), which are independent of the sequence they are used for. Per row b:
-    a_b = clamp(-sum_{b'!=b, t} k1 (r - 1) / sum_{b'!=b, t} (r - 1)^2, 0, 1)      (regression of k1 on r - 1)
-    b_{b,t} = lambda_b * LOO-mean over the other rows alive at t of P_{b',t} + a_b Q_{b',t}   (0 if none is alive)
-with P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1), i.e. the other rows' return
-from t given they reached t, computed with row b's OWN coefficient a_b (a_{b'} depends on row b's tokens, so using
-it would make b's baseline depend on b); lambda_b in [0, 1] shrinks a noisy mean of few returns toward 0
-(`leave_one_out_baseline`). A row with no other tokens to fit on (B = 1, or alone in its group) gets the
-single-sample form (`causal_cv_coef`): b = 0 and, per future position s, the same regression fitted on the row's
-OWN tokens before s (a function of y_<s, which the argument of 1. allows), SINGLE_SAMPLE_CV_COEF before any token.
+(`full`: the future-KL return is exact, sum_{s>t} w_{1:s-1} KL_s, and a_b multiplies the resampling control variate
+w_{1:s} k1_s - w_{1:s-1} KL_s instead; full_vocab.py). Every added term has zero expectation, so the expected gradient
+is unchanged for any coefficients that are functions of the OTHER rows only (pinned by
+tests/core/test_batch_exactness.py, every ordered batch of G = 1, 2, 3, on- and off-policy, with task advantages):
+  * control variates: for s > t, g_t and w_{1:s-1} are functions of y_<s and E_mu[rho_s X_s | y_<s] = E_pi[X_s | y_<s]
+    = 0 for X = xi (sum_v pi_ref(v) - 1), eta (nu_s (p_s - pi(EOS | y_<s))) and k1 - KL (E_pi[k1_s | y_<s] = KL_s);
+  * baseline: lambda_b Pi_t - m_{b,t} does not depend on y_t given y_<t, and E_mu[w_{1:t} g_t b | y_<t] =
+    w_{1:t-1} b E_pi[g_t | y_<t] = 0.
+
+Why the past term. At the regularized optimum pi* = pi_ref exp(R / beta) / Z, R(y) / beta - sum_s k1_s = log Z for
+every y, so the combined weight A / beta - c_t of the plain estimator differs from a constant only by Pi_t: the task's
+noise and the KL's cancel except for the prefix, which the admissible baseline lambda Pi_t (lambda = 1) removes. The
+control variates remove KL noise that the task does not cancel far from pi*, and would add noise near pi*, where it is
+cancelled; so the coefficients are fitted to the combined weight, not to the KL part alone.
+
+How they are fitted (`batch_statistics`), for row b from the other rows b' of its group (leave-one-out):
+  1. KL-only coefficients, precise because they are token-level: a~_b = clamp(-sum k1 xi / sum xi^2, 0, 1) (the
+     regression of k1 on xi, with CV_PRIOR_TOKENS of prior weight on 0) and kappa_b = the mean k1 per token (the KL a
+     stop gives up per lost position). Z = a~_b Q - kappa_b H is the KL-optimal control variate of the return after t.
+  2. The joint fit: with the other rows' returns from t given they reached t (P: the preset's, Q = sum_{s>t} xi_s,
+     H = sum_{s>t} eta_s, importance-weighted relative to t where the preset's return is) and the task in KL units,
+     y = P - alpha~ (alpha~ = A / beta, its shift over the other rows removed; with TaskAdvantages.normalized also its
+     scale, see there), (rho, delta, lambda) minimise sum over the other rows' tokens of omega (y + rho Z + delta D +
+     lambda Pi - m_t)^2 with a free mean m_t per position (least squares, clamped to [0, 1]); omega = (1 - pi(y_t))^2
+     is the squared norm of the token's logit score e_y - pi without the rest of the distribution (the gradient's
+     variance weighs each token's weight by it). a_b = rho a~_b, h_b = -rho kappa_b.
+  3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + rho Z + delta D + lambda Pi, shrunk
+     toward 0 by a positive-part James-Stein factor (a mean of few returns adds its own noise).
+A row with fewer than two other rows in its group gets every statistic 0: the plain form.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
 from .estimators import reverse_cumsum
 
-#: control-variate coefficient of a row with no other sequence, at positions with no earlier token of its own.
-SINGLE_SAMPLE_CV_COEF = 0.0
-#: prior weight, in tokens, of a = 0 (the plain k1 return) against the fitted coefficient: a = n / (n + this) * fit
+#: prior weight, in tokens, of a~ = 0 (the plain k1 return) against the fitted token-level coefficient
 CV_PRIOR_TOKENS = 4.0
-#: smallest prefix weight, relative to the row's largest, that `conditional_returns` divides by (log scale)
+#: smallest prefix weight, relative to the row's largest, that `relative_returns` divides by (log scale)
 LOG_RELATIVE_WEIGHT_FLOOR = -60.0
+#: ridge of the joint fit, relative to each feature's variance, in tokens
+JOINT_PRIOR_TOKENS = 4.0
+#: a feature of the joint fit whose centred variance is below this fraction of its raw second moment is left out
+VARIANCE_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class TaskAdvantages:
+    """The trainer's task term beside the KL term, which the reduced presets' statistics are fitted with.
+
+    The trainer's gradient (ascent) is proportional to sum_{b,t} (advantages_{b,t} - beta c_{b,t}) grad log pi_{b,t}
+    where c is the KL term's per-token weight: `beta` is the KL coefficient on the advantages' scale (TRL: the
+    GRPOConfig `beta`; verl: `kl_loss_coef`; OpenRLHF: `init_coef`), not necessarily the per-sequence beta of
+    `kl_surrogate`. advantages: [B] (one per sequence, GRPO / RLOO) or [B, T] (per token, GAE).
+
+    Row b's statistics use the other rows' advantages only after removing their common shift (their mean over the
+    other rows of b's group), so advantages may be centred by a group mean that includes row b (GRPO, RLOO).
+    normalized=True: they were also divided by a standard deviation over rows that include b (GRPO's group std,
+    whitening); the other rows' advantages are then standardised among themselves and taken at unit scale. Either way
+    the statistics stay functions of the other rows: the expected gradient is exact (tests/core/test_batch_exactness.py).
+    Within a `group`, the rows must share the advantages' normalisation (pass GRPO prompt ids as `group`).
+    """
+
+    advantages: Tensor
+    beta: float
+    normalized: bool = False
+
+
+@dataclass(frozen=True)
+class EndOfSequence:
+    """Where completions may stop, for the termination control variate.
+
+    prob    [B, T] pi(EOS | y_<t): the current policy's probability of ending at t (summed over the end-of-sequence
+            ids, at the trainer's temperature), detached
+    is_eos  [B, T] bool: y_t is an end-of-sequence token
+    horizon the maximum completion length (positions a stop at t gives up: horizon - 1 - t); None = the batch width T
+    """
+
+    prob: Tensor
+    is_eos: Tensor
+    horizon: int | None = None
 
 
 @dataclass(frozen=True)
 class KLStatistics:
-    """Per-row statistics of the reduced presets, each computed from the OTHER rows only (detached).
+    """Per-row statistics of the reduced presets, each computed from the OTHER rows of the row's group (detached).
 
-    cv_coef   [B]    a_b, the control-variate coefficient of the future terms of row b
-    baseline  [B, T] b_{b,t}, the baseline subtracted (times w_{1:t}) from row b's return at position t
-    alone     [B]    bool, rows with no other sample: their coefficient is fitted on their own earlier tokens
-                     (`causal_cv_coef`) and cv_coef is unused; None = no such row
+    cv_coef    [B]    a_b: coefficient of the future control variate (xi; `full`: k1 - KL)
+    eos_coef   [B]    h_b: coefficient of the termination control variate (0 without EndOfSequence)
+    past_coef  [B]    lambda_b: coefficient of the prefix KL Pi_t in the baseline
+    baseline   [B, T] m_{b,t}
     Slice them along the batch dimension together with the batch they belong to (e.g. into micro-batches).
     """
 
     cv_coef: Tensor
+    eos_coef: Tensor
+    past_coef: Tensor
     baseline: Tensor
-    alone: Tensor | None = None
 
     def __getitem__(self, rows) -> KLStatistics:
         """The statistics of a subset of rows (a slice, index tensor or bool mask over the batch dimension)."""
-        return KLStatistics(cv_coef=self.cv_coef[rows], baseline=self.baseline[rows],
-                            alone=None if self.alone is None else self.alone[rows])
+        return KLStatistics(*(getattr(self, f.name)[rows] for f in fields(self)))
 
-    def coefficient(self, k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
-        """[B, T] control-variate coefficient a_{b,s} of each future term: a_b, or the causal fit for alone rows."""
-        coef = self.cv_coef[:, None].expand_as(k1)
-        if self.alone is None or not bool(self.alone.any()):  # one host sync: skips the causal fit in the usual case
-            return coef
-        return torch.where(self.alone[:, None], causal_cv_coef(k1, cv, mask), coef)
+    def with_width(self, width: int) -> KLStatistics:
+        """The same statistics with the baseline cut or zero-padded to `width` positions (a micro-batch's padding)."""
+        base = self.baseline[:, :width]
+        if base.shape[1] < width:
+            base = torch.nn.functional.pad(base, (0, width - base.shape[1]))
+        return KLStatistics(self.cv_coef, self.eos_coef, self.past_coef, base)
+
+    def to(self, *args, **kwargs) -> KLStatistics:
+        """Every tensor moved / cast with Tensor.to."""
+        return KLStatistics(*(getattr(self, f.name).to(*args, **kwargs) for f in fields(self)))
+
+    def as_dict(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def zero_statistics(batch: int, width: int, dtype: torch.dtype, device: torch.device) -> KLStatistics:
+    """Statistics that turn the reduced presets into their plain forms."""
+    zero = torch.zeros(batch, dtype=dtype, device=device)
+    return KLStatistics(zero, zero, zero, torch.zeros(batch, width, dtype=dtype, device=device))
 
 
 def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
-    """r_t - 1 = pi_ref/pi - 1 = expm1(-k1_t) at real tokens, 0 at padding: zero mean under pi given the prefix."""
+    """xi_t = r_t - 1 = pi_ref/pi - 1 = expm1(-k1_t) at real tokens, 0 at padding: zero mean under pi given the prefix."""
     return torch.expm1(-k1) * mask
+
+
+def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """eta_t = nu_t (p_t - e_t) at real tokens, 0 at padding (module docstring): zero mean under pi given y_<t."""
+    width = mask.shape[-1]
+    horizon = width if eos.horizon is None else eos.horizon
+    p = torch.where(mask != 0, eos.prob.detach().to(dtype), 0.0).clamp(0.0, 1.0)
+    after = (horizon - 1 - torch.arange(width, dtype=dtype, device=mask.device)).clamp(min=0).expand_as(p)
+    tiny = p < 1e-12
+    nu = torch.where(tiny, after, -torch.expm1(after * torch.log1p(-p.clamp(max=1 - 1e-12))) / p.clamp(min=1e-12))
+    return nu * (p - eos.is_eos.to(dtype)) * mask
+
+
+def past_kl(k1: Tensor, mask: Tensor) -> Tensor:
+    """Pi_t = sum_{s<t} k1_s at real tokens (a function of the prefix), 0 at padding."""
+    return (k1.cumsum(-1) - k1) * mask
 
 
 def same_group(group: Tensor | None) -> Tensor | None:
@@ -88,95 +173,167 @@ def same_group(group: Tensor | None) -> Tensor | None:
     return dense
 
 
-def _others_sum(x: Tensor, same: Tensor | None) -> Tensor:
+def others_sum(x: Tensor, same: Tensor | None) -> Tensor:
     """Sum over the other rows of the same group (dim 0): group sum minus the row's own value.
     One group: column sums; several: sums per dense group id (memory O(x), no [B, B] matrix)."""
     totals = x.sum(0, keepdim=True) if same is None else torch.zeros_like(x).index_add_(0, same, x)[same]
     return totals - x
 
 
-def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
-    """clamp(num / den, 0, 1) for num = -sum k1 (r - 1), den = sum (r - 1)^2; SINGLE_SAMPLE_CV_COEF where den = 0.
-
-    -k1 (r - 1) >= 0 always (k1 and r - 1 have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
-    (r - 1 = -k1 + O(k1^2)). An overflowed r (inf / inf) gives a = 0, the plain k1 return.
-    """
-    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0) * tokens / (tokens + CV_PRIOR_TOKENS)
-    return torch.where(den > 0, ratio, torch.full_like(ratio, SINGLE_SAMPLE_CV_COEF))
-
-
-def causal_cv_coef(k1: Tensor, cv: Tensor, mask: Tensor) -> Tensor:
-    """[B, T] a_{b,s} = clamp(-sum_{u<s} k1_u (r_u - 1) / sum_{u<s} (r_u - 1)^2, 0, 1) over the row's own earlier
-    tokens: a function of y_<s, so E[g_t w_{1:s} a_{b,s} (r_s - 1)] = 0 for t < s still holds (module docstring, 1.)."""
-    prod, square = k1 * cv, cv.square()  # zero at padding
-    return _regression(prod - prod.cumsum(-1), square.cumsum(-1) - square, mask.cumsum(-1) - mask)
-
-
-def other_moments(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
-    """[B, 3, 3] sums over the real tokens of the OTHER rows of each row's group of x_i x_j, x = (k1, r - 1, 1)
-    (k1 and cv are 0 at padding): [:, 0, 1] = sum k1 (r - 1), [:, 1, 1] = sum (r - 1)^2, [:, 0, 2] = sum k1,
-    [:, 0, 0] = sum k1^2, [:, 1, 2] = sum (r - 1), [:, 2, 2] = number of tokens."""
-    x = torch.stack((k1, cv, mask), 1)
-    return _others_sum((x[:, :, None] * x[:, None, :]).sum(-1), same)
-
-
-def conditional_returns(k1: Tensor, cv: Tensor, mask: Tensor, log_rho: Tensor | None) -> tuple[Tensor, Tensor]:
-    """P_t = k1_t + sum_{s>t} w_{t+1:s} k1_s and Q_t = sum_{s>t} w_{t+1:s} (r_s - 1), zero at padding: a row's return
-    from t given it reached t. w_{t+1:s} = w_{1:s} / w_{1:t} is computed relative to the row's largest prefix weight,
-    held at exp(LOG_RELATIVE_WEIGHT_FLOOR) where it is smaller (so neither underflows to 0 / 0 nor overflows in
-    float32: only other rows' baselines read P and Q, and any function of the other rows is an exact baseline, so the
+def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None) -> Tensor:
+    """R_t = sum_{s>=t} w_{t+1:s} x_s per channel of x [B, k, T] (zero at padding): a row's return from t given it
+    reached t. w_{t+1:s} = w_{1:s} / w_{1:t} is computed relative to the row's largest prefix weight, held at
+    exp(LOG_RELATIVE_WEIGHT_FLOOR) where it is smaller (so neither underflows to 0 / 0 nor overflows in float32: only
+    other rows' statistics read these returns, and any function of the other rows keeps the gradient exact, so the
     floor changes variance only, for rows whose weights have degenerated). log_rho None: on-policy (every w = 1)."""
-    both = torch.stack((k1, cv), 1)
     if log_rho is None:
-        both = reverse_cumsum(both)
-    else:
-        log_w = log_rho.cumsum(-1)
-        rel = torch.exp((log_w - log_w.max(-1, keepdim=True).values).clamp(min=LOG_RELATIVE_WEIGHT_FLOOR))[:, None]
-        both = reverse_cumsum(rel * both) / rel
-    both = both * mask[:, None]
-    return both[:, 0], both[:, 1] - cv
+        return reverse_cumsum(x) * mask[:, None]
+    log_w = log_rho.cumsum(-1)
+    rel = torch.exp((log_w - log_w.max(-1, keepdim=True).values).clamp(min=LOG_RELATIVE_WEIGHT_FLOOR))[:, None]
+    return reverse_cumsum(rel * x) / rel * mask[:, None]
 
 
-def leave_one_out_baseline(p: Tensor, q: Tensor, cv: Tensor, mask: Tensor, moments: Tensor, cv_coef: Tensor,
-                           same: Tensor | None) -> Tensor:
-    """b_{b,t} = lambda_b * m_{b,t}: the leave-one-out mean m_{b,t} of P_{b',t} + a_b Q_{b',t}
-    over the other rows of b's group alive at t (0 where none is), shrunk toward 0 by a positive-part James-Stein
-    factor pooled over positions,
+def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
+    """clamp(num / den, 0, 1) * tokens / (tokens + CV_PRIOR_TOKENS) for num = -sum k1 xi, den = sum xi^2; 0 where
+    den = 0. -k1 xi >= 0 always (k1 and xi have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
+    (xi = -k1 + O(k1^2)). An overflowed xi (inf / inf) gives 0, the plain k1 return."""
+    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0) * tokens / (tokens + CV_PRIOR_TOKENS)
+    return torch.where(den > 0, ratio, torch.zeros_like(ratio))
 
-        lambda_b = max(0, 1 - sum_t V_{b,t} / n_{b,t} / sum_t m_{b,t}^2)    (sums over t with n_{b,t} > 0)
 
-    n_{b,t} = number of other rows alive at t, V_{b,t} = var(k1) + L_{b,t} var(k1 + a_b (r - 1)) the variance of one
-    return from t (per-token variances pooled over the other rows' tokens from `moments` = `other_moments`,
-    L = their mean number of tokens after t). A mean of few returns is noisy: subtracting it adds V / n to the variance
-    and removes m^2, so lambda keeps it where it pays. Exact as a baseline: every quantity is a function of the other
-    rows and a_b only. Every [B, T] sum over the other rows is taken in one pass (stacked).
+@dataclass(frozen=True)
+class Returns:
+    """The other rows' per-position quantities that `batch_statistics` fits to, each [B, T] and zero at padding.
+
+    ret     P_t, the preset's own return from t (given t was reached)
+    cv      Q_t, its future control variate's return (sum_{s>t} xi_s; `full`: the resampling one, 0 for `sequence`)
+    past    Pi_t
+    eos     H_t = sum_{s>t} eta_s (None without EndOfSequence)
+    resample  D_t for `full` (its second control variate; None for the sampled-token presets)
     """
-    after = (mask.sum(-1, keepdim=True) - mask.cumsum(-1)) * mask  # each row's number of tokens after t
-    others = _others_sum(torch.stack((mask, p, q, after), 1), same)
-    count, per_count = others[:, 0], others[:, 0].clamp(min=1)
-    inv = per_count.reciprocal()
-    # the other rows' P and Q are zero at their padding, so the mean is 0 where no other row is alive
-    mean = (others[:, 1] + cv_coef[:, None] * others[:, 2]) * inv
-    # sum_t alive / n and sum_t L / n, with L = (sum of the others' tokens after t) / n
-    noise_sums = (torch.stack((count, others[:, 3]), 1) * inv.square()[:, None]).sum(-1)
-    tokens = moments[:, 2, 2].clamp(min=1)
-    k1, k1k1, cvs, k1cv, cvcv = (moments[:, i, j] / tokens for i, j in ((0, 2), (0, 0), (1, 2), (0, 1), (1, 1)))
-    a = cv_coef
-    var_k1 = k1k1 - k1.square()
-    var_x = k1k1 + 2 * a * k1cv + a.square() * cvcv - (k1 + a * cvs).square()
-    noise = var_k1 * noise_sums[:, 0] + var_x * noise_sums[:, 1]
+
+    ret: Tensor
+    cv: Tensor
+    past: Tensor
+    eos: Tensor | None = None
+    resample: Tensor | None = None
+
+
+def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor | None, normalized: bool,
+                     task_beta: float, omega: Tensor, mask: Tensor, same: Tensor | None) -> KLStatistics:
+    """Leave-one-out statistics of every row (module docstring, steps 2 and 3) from the batch's `Returns`.
+
+    cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
+    Z = a~_b Q - kappa_b H; alpha [B, T] the task advantages (None: no task term); omega [B, T] the fit's token
+    weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or None. Computed in float64 whatever the
+    working dtype (the leave-one-out sums are group totals minus the row's own terms, whose rounding must not reach
+    a fitted coefficient), returned in the working dtype.
+    """
+    out_dtype, dtype = mask.dtype, torch.float64
+    r = Returns(*(None if x is None else x.to(dtype) for x in (r.ret, r.cv, r.past, r.eos, r.resample)))
+    cv_scale, kappa, omega, mask = (x.to(dtype) for x in (cv_scale, kappa, omega, mask))
+    alpha = None if alpha is None else alpha.to(dtype)
+    batch, width = mask.shape
+    zero = torch.zeros_like(mask)
+    task = zero if alpha is None else alpha * mask
+    feats = torch.stack((r.ret, task, r.cv, zero if r.eos is None else r.eos,
+                         zero if r.resample is None else r.resample, r.past), 1)  # [B, 6, T]
+    om = omega * mask
+    sums = others_sum(torch.cat((torch.stack((om, mask), 1), om[:, None] * feats), 1), same)
+    weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]
+    gram = others_sum(torch.einsum("bit,bjt->bij", om[:, None] * feats, feats), same)
+    inv_w = torch.where(weight > 0, weight.clamp(min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
+    centred = gram - torch.einsum("bit,bjt->bij", s_f * inv_w[:, None], s_f)  # per-position centred, summed over t
+    # the task's shift (and scale) over the other rows' tokens, unweighted: a shift common to the group cancels exactly
+    row_sums = torch.stack((task.sum(-1), task.square().sum(-1), mask.sum(-1)), 1)
+    tot = others_sum(row_sums, same)
+    tokens = tot[:, 2].clamp(min=1.0)
+    mu = tot[:, 0] / tokens
+    if normalized:  # a variance at rounding level (equal advantages) would carry the row's own rounding: scale 0
+        mean_sq = tot[:, 1] / tokens
+        var = (mean_sq - mu.square()).clamp(min=0.0)
+        scale = torch.where(var > VARIANCE_FLOOR * mean_sq, (task_beta * var.sqrt()).clamp(
+            min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
+    else:
+        scale = torch.ones(batch, dtype=dtype, device=mask.device)
+    # y = P - scale (alpha - mu), Z = a~ Q - kappa H, D, Pi as linear maps of the 6 channels, per row
+    lin = torch.zeros(batch, 4, 6, dtype=dtype, device=mask.device)
+    lin[:, 0, 0], lin[:, 0, 1] = 1.0, -scale
+    lin[:, 1, 2], lin[:, 1, 3] = cv_scale, -kappa
+    lin[:, 2, 4] = 1.0
+    lin[:, 3, 5] = 1.0
+    moments = lin @ centred @ lin.transpose(1, 2)
+    raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
+    theta = _joint_fit(moments, raw, count.sum(-1))
+    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu)
+    mean = ((coef[:, :, None] * s_f).sum(1) + (scale * mu)[:, None] * weight) * inv_w
+    var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
+    baseline = _james_stein(mean, var_z, weight, count)
+    rho, delta, lam = theta.unbind(-1)
+    cv_coef = rho * cv_scale if r.resample is None else delta
+    eos_coef = torch.zeros_like(rho) if r.eos is None else -rho * kappa
+    statistics = KLStatistics(cv_coef=cv_coef, eos_coef=eos_coef, past_coef=lam, baseline=baseline)
+    # fewer than two other rows with tokens: no per-position spread to fit to, and a mean of one return adds its noise
+    enough = others_sum((mask.sum(-1) > 0).to(dtype), same) >= 2
+    return KLStatistics(*(torch.where(enough if x.dim() == 1 else enough[:, None], x, 0.0).to(out_dtype)
+                          for x in statistics.as_dict().values()))
+
+
+def _joint_fit(moments: Tensor, raw: Tensor, tokens: Tensor) -> Tensor:
+    """[B, 3] (rho, delta, lambda) minimising y + theta . x in the omega-weighted, per-position centred least squares
+    given by moments [B, 4, 4] of (y, x); a ridge of JOINT_PRIOR_TOKENS / tokens times each feature's variance, and
+    every coefficient clamped to [0, 1] (0: the plain form's choice). A feature whose centred variance is below
+    VARIANCE_FLOOR times its raw second moment `raw` [B, 3] gets 0: the leave-one-out sums are group totals minus the
+    row's own terms, so a variance at rounding level would carry the row's own rounding (and bias the gradient)."""
+    xx, xy = moments[:, 1:, 1:], moments[:, 1:, 0]
+    diag = torch.diagonal(xx, dim1=-2, dim2=-1)
+    floor = VARIANCE_FLOOR * raw + torch.finfo(xx.dtype).tiny
+    ridge = diag * JOINT_PRIOR_TOKENS / tokens.clamp(min=1.0)[:, None] + floor
+    theta = -torch.linalg.solve(xx + torch.diag_embed(ridge), xy[..., None])[..., 0]
+    return torch.where(diag > floor, torch.nan_to_num(theta, nan=0.0), 0.0).clamp(0.0, 1.0)
+
+
+def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor) -> Tensor:
+    """lambda_b m_{b,t}: the per-position means shrunk by max(0, 1 - sum_t V_b / n_{b,t} / sum_t m_{b,t}^2), V_b the
+    per-token variance pooled over positions (var_sum / total weight, corrected to count - 1 degrees of freedom)."""
+    dof = (count - 1).clamp(min=0).sum(-1)
+    total = weight.sum(-1)
+    per_token = torch.where(dof > 0, var_sum.clamp(min=0.0) / total.clamp(min=torch.finfo(mean.dtype).tiny)
+                            * count.sum(-1) / dof.clamp(min=1), 0.0)  # (a rounding-level negative sum: 0)
+    noise = per_token * torch.where(count > 0, count.clamp(min=1).reciprocal(), 0.0).sum(-1)
     signal = mean.square().sum(-1)
-    shrink = torch.where(signal > 0, 1 - noise / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
+    shrink = torch.where((signal > 0) & (dof > 0), 1 - noise / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
     return shrink.clamp(min=0.0)[:, None] * mean
 
 
-def batch_statistics(k1: Tensor, cv: Tensor, log_rho: Tensor | None, mask: Tensor, group: Tensor | None
-                     ) -> KLStatistics:
-    """Leave-one-out a_b and b_{b,t} of every row from detached [B, T] terms (zero at padding, float mask;
-    cv = `control_variate(k1, mask)`); log_rho None = on-policy (every importance weight 1)."""
+def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(a~_b, kappa_b) [B] from the other rows' tokens: the regression of k1 on xi and the mean k1 per token."""
+    x = torch.stack((k1 * cv, cv.square(), k1, mask), 1).sum(-1)
+    o = others_sum(x, same)
+    return _regression(-o[:, 0], o[:, 1], o[:, 3]), torch.where(o[:, 3] > 0, o[:, 2] / o[:, 3].clamp(min=1.0), 0.0)
+
+
+def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
+    """omega_t = (1 - pi(y_t))^2 at real tokens: the squared norm of the logit score e_y - pi, less sum_{v != y} pi_v^2."""
+    return torch.square(-torch.expm1(logp)) * mask
+
+
+def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: Tensor, log_rho: Tensor | None,
+                             mask: Tensor, task: TaskAdvantages | None, group: Tensor | None) -> KLStatistics:
+    """The statistics of `sequence` / `reward` from a [B, T] batch's detached terms (zero at padding; cv = xi,
+    eta = `termination_increments` or None, task advantages already [B, T]); log_rho None: unweighted returns (the
+    on-policy batch, or `reward`, whose return is unweighted)."""
     same = same_group(group)
-    moments = other_moments(k1, cv, mask, same)
-    cv_coef = _regression(-moments[:, 0, 1], moments[:, 1, 1], moments[:, 2, 2])
-    p, q = conditional_returns(k1, cv, mask, log_rho)
-    baseline = leave_one_out_baseline(p, q, cv, mask, moments, cv_coef, same)
-    return KLStatistics(cv_coef=cv_coef, baseline=baseline, alone=moments[:, 2, 2] == 0)
+    channels = (k1, cv) if eta is None else (k1, cv, eta)
+    ret = relative_returns(torch.stack(channels, 1), mask, log_rho)
+    returns = Returns(ret=ret[:, 0], cv=ret[:, 1] - cv, past=past_kl(k1, mask),
+                      eos=None if eta is None else ret[:, 2] - eta)
+    cv_scale, kappa = token_coefficients(k1, cv, mask, same)
+    return batch_statistics(returns, cv_scale, kappa, *task_in_kl_units(task), score_weight(logp, mask), mask, same)
+
+
+def task_in_kl_units(task: TaskAdvantages | None) -> tuple[Tensor | None, bool, float]:
+    """(advantages / beta, normalized, beta) for `batch_statistics`; (None, False, 1.0) without a task term."""
+    if task is None:
+        return None, False, 1.0
+    return task.advantages / task.beta, task.normalized, float(task.beta)

@@ -10,10 +10,14 @@ is KL_seq = KL(pi_theta(.|x) || pi_ref(.|x)) = E_pi[sum_t k1_t]; a batch is aver
 constant divisor B (never a per-sequence length, which would optimize a length-normalized KL instead).
 
 Batch statistics. The reduced presets ("sequence", "reward") use per-row statistics computed from the OTHER rows of
-the batch (`reductions.py`). By default `kl_term` / `kl_surrogate` compute them from the [B, T] batch they are given
-(leave-one-out over its rows, or within `group` when [B] group ids are given). A trainer whose loss sees small
-micro-batches computes them once on the whole rollout batch with `kl_statistics(...)`, slices them with the batch, and
-passes `statistics=` to the loss: more independent samples, the same expected gradient.
+the batch (`reductions.py`), fitted to the gradient the trainer takes: pass its task advantages as
+`task=TaskAdvantages(advantages, beta)` (without them the statistics are fitted to the KL term alone, which near the
+regularized optimum makes the trained gradient noisier), and the policy's end-of-sequence probabilities as
+`eos=EndOfSequence(prob, is_eos)` for the termination control variate (long completions). By default `kl_term` /
+`kl_surrogate` compute the statistics from the [B, T] batch they are given (leave-one-out over its rows, or within
+`group` when [B] group ids are given: GRPO's prompt groups). A trainer whose loss sees small micro-batches computes
+them once on the whole rollout batch with `kl_statistics(...)`, slices them with the batch, and passes `statistics=`
+to the loss: more independent samples, the same expected gradient.
 """
 
 from __future__ import annotations
@@ -23,21 +27,27 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ._validate import check_batch, check_beta, check_group, check_is_clip, check_statistics
+from ._validate import (check_batch, check_beta, check_eos, check_group, check_is_clip, check_statistics,
+                        check_statistics_options, check_task, eos_rule)
 from .estimators import reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
-from .reductions import KLStatistics, batch_statistics
+from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, sampled_token_statistics,
+                         termination_increments)
 
 
 def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None,
-           statistics: KLStatistics | None = None):
+           statistics: KLStatistics | None = None, task: TaskAdvantages | None = None,
+           eos: EndOfSequence | None = None):
     """Validate, cast to the working dtype, zero the padding before any nonlinearity; return (masked logp, Terms).
 
-    Given statistics are validated in the same host synchronisation and attached to Terms in the working dtype.
+    Given statistics, task advantages and end-of-sequence probabilities are validated in the same host
+    synchronisation and attached to Terms in the working dtype.
     """
-    finite = {} if statistics is None else check_statistics(statistics.cv_coef, statistics.baseline, statistics.alone,
-                                                            logp)
-    m = check_batch(logp, ref_logp, mask, old_logp, also_finite=finite)
+    finite = {}
+    for value, check in ((statistics, check_statistics), (task, check_task), (eos, check_eos)):
+        if value is not None:
+            finite.update(check(value, logp))
+    m = check_batch(logp, ref_logp, mask, old_logp, also_finite=finite, also_false=eos_rule(statistics, eos))
     check_is_clip(is_clip)
     if is_clip is not None and old_logp is None:
         raise ValueError("is_clip caps importance weights, which only exist off-policy: pass old_logp or drop is_clip")
@@ -47,18 +57,40 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     lp_d = lp.detach()
     k1 = lp_d - torch.where(m, ref_logp.detach().to(dtype), zero)
     log_rho = zero.expand_as(lp) if old_logp is None else lp_d - torch.where(m, old_logp.detach().to(dtype), zero)
+    mf = m.to(dtype)
     stats = None if statistics is None else KLStatistics(  # padding of a given baseline may hold anything, NaN too
-        statistics.cv_coef.detach().to(dtype), torch.where(m, statistics.baseline.detach().to(dtype), zero),
-        statistics.alone)
-    return lp, Terms(k1=k1, log_rho=log_rho, mask=m.to(dtype), is_clip=is_clip, statistics=stats,
-                     on_policy=old_logp is None)
+        *(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef, statistics.past_coef)),
+        torch.where(m, statistics.baseline.detach().to(dtype), zero))
+    if task is not None:
+        advantages = task.advantages.detach().to(dtype)
+        advantages = torch.where(m, advantages if advantages.dim() == 2 else advantages[:, None], zero)
+        task = TaskAdvantages(advantages, task.beta, task.normalized)
+    eta = None if eos is None else termination_increments(eos, mf, dtype)
+    return lp, Terms(k1=k1, log_rho=log_rho, mask=mf, is_clip=is_clip, statistics=stats, on_policy=old_logp is None,
+                     logp=lp_d, eta=eta, task=task)
 
 
 def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -> KLStatistics:
     """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it), from
     importance-weighted returns unless the preset's own return is unweighted (`Preset.weighted_returns`)."""
     weighted = not t.on_policy and (spec is None or spec.weighted_returns)
-    return batch_statistics(t.k1, t.cv, t.log_rho if weighted else None, t.mask, group)
+    return sampled_token_statistics(t.k1, t.cv, t.eta, t.logp, t.log_rho if weighted else None, t.mask, t.task, group)
+
+
+def _check_options(spec: Preset, is_clip: float | None, statistics: KLStatistics | None, group: Tensor | None,
+                   task: TaskAdvantages | None, eos: EndOfSequence | None, computing: bool = False) -> None:
+    """Refuse option combinations that would be silent no-ops (before any tensor is read)."""
+    if spec.needs_full_logits:
+        return  # refused with its own message by the preset's weight function
+    if is_clip is not None and not spec.uses_importance_weights:
+        raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
+    if not spec.uses_batch_statistics:
+        given = [n for n, v in (("statistics", statistics), ("group", group), ("task", task), ("eos", eos))
+                 if v is not None]
+        if given or computing:
+            raise ValueError(f"preset {spec.name!r} uses no batch statistics, so {'/'.join(given) or 'kl_statistics'} "
+                             "would be a silent no-op")
+    check_statistics_options(statistics, group, task)
 
 
 def _is_ess(t: Terms) -> Tensor:
@@ -122,20 +154,19 @@ def kl_term(
     is_clip: float | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
+    task: TaskAdvantages | None = None,
+    eos: EndOfSequence | None = None,
 ) -> KLTerm:
     """Validate the batch once and compute the preset's weights and the per-sequence KL estimate (see `KLTerm`).
 
     statistics: `kl_statistics` of a larger batch, sliced to these rows (only for presets with uses_batch_statistics);
-    None = compute them from this batch, leave-one-out over its rows (within `group`, [B] integer ids, when given).
+    None = compute them from this batch, leave-one-out over its rows (within `group`, [B] integer ids, when given),
+    fitted with `task` (the trainer's advantages). eos: the batch's end-of-sequence probabilities (the termination
+    control variate; needed with statistics computed with them).
     """
     spec = get_preset(preset)
-    if is_clip is not None and not spec.uses_importance_weights:
-        raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
-    if not spec.uses_batch_statistics and (statistics is not None or group is not None):
-        raise ValueError(f"preset {spec.name!r} uses no batch statistics, so statistics/group would be a silent no-op")
-    if statistics is not None and group is not None:
-        raise ValueError("group only selects the rows statistics are computed from: pass statistics or group, not both")
-    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics)
+    _check_options(spec, is_clip, statistics, group, task, eos)
+    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics, task, eos)
     if spec.uses_batch_statistics and statistics is None:
         check_group(group, logp)
         t = replace(t, statistics=_statistics_of(t, group, spec))
@@ -151,18 +182,27 @@ def kl_statistics(
     old_logp: Tensor | None = None,
     group: Tensor | None = None,
     preset: str | Preset = "sequence",
+    task: TaskAdvantages | None = None,
+    eos: EndOfSequence | None = None,
 ) -> KLStatistics:
-    """Leave-one-out statistics (a_b [B], b_{b,t} [B, T]; detached, working dtype) of the reduced presets.
+    """Leave-one-out statistics (`KLStatistics`: coefficients [B], baseline [B, T]; detached, working dtype) of the
+    reduced presets, fitted to the trainer's task + KL gradient when `task` gives its advantages.
 
     Compute them once on the largest batch of independent samples at hand (e.g. the whole rollout batch at experience
-    time; `group` = [B] GRPO prompt ids restricts the leave-one-out to each group), store them beside the batch, and
-    pass the rows of each micro-batch as `statistics=` to `kl_term` / `kl_surrogate` with the same `preset` (its
-    `weighted_returns`: `sequence`'s are importance-weighted, `reward`'s are not). Row b's statistics depend only
-    on the other rows, so the gradient stays exact (tests/core/test_batch_exactness.py). Definitions: reductions.py.
+    time; `group` = [B] GRPO prompt ids restricts the leave-one-out to each group, which task advantages normalised
+    per group need), store them beside the batch, and pass the rows of each micro-batch as `statistics=` to
+    `kl_term` / `kl_surrogate` with the same `preset` (its `weighted_returns`: `sequence`'s are importance-weighted,
+    `reward`'s are not) and the micro-batch's `eos`. Row b's statistics depend only on the other rows, so the gradient
+    stays exact (tests/core/test_batch_exactness.py). Definitions: reductions.py.
     """
-    _, t = _terms(logp, ref_logp, mask, old_logp, None)
+    spec = get_preset(preset)
+    if spec.needs_full_logits:
+        raise ValueError("preset 'full' computes its statistics from both models' full distributions: use "
+                         "kl_adapters.full_statistics")
+    _check_options(spec, None, None, group, task, eos, computing=True)
+    _, t = _terms(logp, ref_logp, mask, old_logp, None, None, task, eos)
     check_group(group, logp)
-    return _statistics_of(t, group, get_preset(preset))
+    return _statistics_of(t, group, spec)
 
 
 def kl_surrogate(
@@ -176,13 +216,17 @@ def kl_surrogate(
     is_clip: float | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
+    task: TaskAdvantages | None = None,
+    eos: EndOfSequence | None = None,
 ) -> Tensor:
     """The KL term to add to a minimized loss: a 0-dim tensor whose gradient is the preset's estimate.
 
     Gradient: beta * (1/B) * sum_b sum_t c_{b,t} * grad logp_{b,t}, with c the preset's detached per-token weight
     (see `kl_adapters.presets`). For preset "sequence" this is an unbiased estimate of beta * grad KL_seq both
     on-policy and off-policy; "reward" is unbiased on-policy. Both are variance-reduced with statistics from the
-    batch's other rows (or `statistics` from `kl_statistics`, or within `group`; see `kl_term`); "sequence-plain"
+    batch's other rows (or `statistics` from `kl_statistics`, or within `group`; see `kl_term`), fitted to the
+    trainer's task + KL gradient with `task` (its advantages) and with a termination control variate from `eos`
+    (end-of-sequence probabilities); "sequence-plain"
     (c_t = sum_{s>=t} w_{1:s} k1_s) and "reward-plain" are the unreduced forms. Pinned by
     tests/core/test_exactness.py::test_expected_gradient_matches_documented_target and, for batches of 1-3 sequences,
     tests/core/test_batch_exactness.py.
@@ -197,7 +241,7 @@ def kl_surrogate(
     get_preset(preset)  # an unknown name is reported before anything else
     check_beta(beta)
     term = kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
-                   group=group)
+                   group=group, task=task, eos=eos)
     return _surrogate(term, beta)
 
 
@@ -211,6 +255,8 @@ def kl_coefficients(
     is_clip: float | None = None,
     statistics: KLStatistics | None = None,
     group: Tensor | None = None,
+    task: TaskAdvantages | None = None,
+    eos: EndOfSequence | None = None,
 ) -> Tensor:
     """The preset's detached per-token gradient weights c [B, T]: grad(per-sequence term) = sum_t c_t grad logp_t.
 
@@ -218,7 +264,7 @@ def kl_coefficients(
     the other's, token by token (the live bias signal adapters log). statistics / group: as in `kl_term`.
     """
     return kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
-                   group=group).coefficients
+                   group=group, task=task, eos=eos).coefficients
 
 
 def kl_reward(

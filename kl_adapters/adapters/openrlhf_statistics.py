@@ -1,6 +1,6 @@
 """Rollout-wide batch statistics of the variance-reduced presets inside OpenRLHF (used by adapters/openrlhf.py).
 
-The reduced presets ("sequence", "reward") take leave-one-out statistics (`kl_statistics`: a_b [B], b_{b,t} [B, T])
+The reduced presets ("sequence", "reward") take leave-one-out statistics (`kl_statistics`: `KLStatistics`)
 from other samples. OpenRLHF's loss sees micro-batches of ``--train.micro_batch_size`` sequences per GPU (default 1 in
 0.10.4-0.11.2), so the statistics are computed once per rollout, where RemoteExperienceMaker.make_experience holds
 every sample of it: from the rollout-time policy log-probs it already computed (``action_log_probs``, no extra forward
@@ -18,6 +18,7 @@ OpenRLHF's metric logging never sees them). Pinned by tests/openrlhf/test_statis
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -27,8 +28,8 @@ from torch import Tensor
 from ..reductions import KLStatistics
 from ..surrogate import kl_statistics
 
-#: Experience.info keys of one row's statistics (a_b, b_{b,t}, alone_b); not metrics, removed before OpenRLHF logs info
-KEYS = ("kl_adapters.cv_coef", "kl_adapters.baseline", "kl_adapters.alone")
+#: Experience.info keys of one row's statistics (every KLStatistics field); not metrics, removed before OpenRLHF logs
+KEYS = {f.name: f"kl_adapters.{f.name}" for f in fields(KLStatistics)}
 
 
 def _pad(x: Tensor, width: int) -> Tensor:
@@ -54,16 +55,15 @@ def rollout_statistics(experiences: Sequence[Any], logp: Sequence[Tensor], ref_l
     out, start = [], 0
     for e in experiences:
         rows, width = e.action_mask.shape
-        part = stats[start:start + rows]
-        out.append(KLStatistics(part.cv_coef, _pad(part.baseline, width), part.alone))
+        out.append(stats[start:start + rows].with_width(width))
         start += rows
     return out
 
 
 def attach(experience: Any, statistics: KLStatistics) -> None:
     """Store a sample batch's statistics in its info, one entry per row (see the module docstring)."""
-    for key, value in zip(KEYS, (statistics.cv_coef, statistics.baseline, statistics.alone)):
-        experience.info[key] = value
+    for name, value in statistics.as_dict().items():
+        experience.info[KEYS[name]] = value
 
 
 def take(experience: Any) -> KLStatistics | None:
@@ -72,14 +72,13 @@ def take(experience: Any) -> KLStatistics | None:
     Entries are [B] / [B, T] tensors, or per-row lists after OpenRLHF's re-batching (baseline rows keep the width of
     their rollout sample batch: zero-padded or cut to this micro-batch's width; past a row's own tokens the baseline
     is never read, kl_term masks it)."""
-    if KEYS[0] not in experience.info:
+    if KEYS["baseline"] not in experience.info:
         return None
-    cv_coef, baseline, alone = (experience.info.pop(key) for key in KEYS)
+    values = {name: experience.info.pop(key) for name, key in KEYS.items()}
     width = experience.action_mask.shape[1]
-    if isinstance(baseline, list):
-        cv_coef, alone = torch.stack(cv_coef), torch.stack(alone)
-        baseline = torch.stack([_pad(row, width) for row in baseline])
-    return KLStatistics(cv_coef=cv_coef, baseline=_pad(baseline, width), alone=alone)
+    values = {name: torch.stack([_pad(row, width) if row.dim() else row for row in v]) if isinstance(v, list) else v
+              for name, v in values.items()}
+    return KLStatistics(**values).with_width(width)
 
 
 def reward_increments(coefficients: Tensor, mask: Tensor) -> Tensor:

@@ -85,7 +85,7 @@ import functools
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -220,8 +220,7 @@ def behaviour_logps(inputs: dict, logp: torch.Tensor) -> torch.Tensor | None:
 
 
 #: batch-dict keys of the rollout-time statistics (KLStatistics fields), sliced by TRL with the rest of the batch
-ROLLOUT_STATISTICS_KEYS = {"cv_coef": "kl_adapters_cv_coef", "baseline": "kl_adapters_baseline",
-                           "alone": "kl_adapters_alone"}
+ROLLOUT_STATISTICS_KEYS = {f.name: f"kl_adapters_{f.name}" for f in fields(KLStatistics)}
 
 
 def _uses_statistics(settings: Settings | None) -> bool:
@@ -280,7 +279,7 @@ def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str) -> KLStat
 
 def statistics_of(inputs: dict) -> KLStatistics | None:
     """The rows' rollout-time statistics stored in a (micro-)batch by `rollout_statistics`, or None."""
-    if ROLLOUT_STATISTICS_KEYS["cv_coef"] not in inputs:
+    if ROLLOUT_STATISTICS_KEYS["baseline"] not in inputs:
         return None
     return KLStatistics(**{field: inputs.get(key) for field, key in ROLLOUT_STATISTICS_KEYS.items()})
 
@@ -301,9 +300,7 @@ def _generate_with_statistics(original, self, generation_batch):
     statistics = rollout_statistics(self, batch, settings.preset)
     if statistics is not None:
         for field, key in ROLLOUT_STATISTICS_KEYS.items():
-            value = getattr(statistics, field)
-            if value is not None:
-                batch[key] = value
+            batch[key] = getattr(statistics, field)
     return batch
 
 

@@ -359,8 +359,7 @@ def _micro_batch_statistics(rows: Tensor, width: int) -> KLStatistics:
         statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask,
                                    group=_group_ids(batch, mask.device))
         _local.statistics, _local.batch = statistics, None
-    rows_here = _local.statistics[rows.to(_local.statistics.cv_coef.device)]
-    return KLStatistics(rows_here.cv_coef.to(rows.device), rows_here.baseline[:, :width].to(rows.device))
+    return _local.statistics[rows.to(_local.statistics.cv_coef.device)].with_width(width).to(rows.device)
 
 
 def _group_ids(batch, device) -> Tensor | None:

@@ -33,18 +33,32 @@ def _cases():
             if regime == "off-policy" and not SAMPLED_TOKEN_PRESETS[name].unbiased_off_policy:
                 continue
             for g in (1, 2, 3):
-                yield name, regime, g, None, False
-                yield name, regime, g, None, True
-            yield name, regime, 3, (0, 0, 1), False
-            yield name, regime, 3, (4, 7, 4), True
+                yield name, regime, g, None, False, None
+                yield name, regime, g, None, True, None
+            for task in ("advantages", "normalized advantages", "advantages and eos"):
+                yield name, regime, 3, None, False, task
+                yield name, regime, 3, (4, 7, 4), True, task
+            yield name, regime, 2, None, True, "advantages and eos"
+            yield name, regime, 3, (0, 0, 1), False, None
+            yield name, regime, 3, (4, 7, 4), True, None
 
 
-@pytest.mark.parametrize(("name", "regime", "size", "groups", "precomputed"), list(_cases()))
-def test_reduced_presets_are_exact_over_every_batch(problem, name, regime, size, groups, precomputed):
+def _rewards(pol):
+    """A task reward per sequence: uniform on [0, 1], fixed."""
+    return torch.rand(pol.space.num_sequences, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("name", "regime", "size", "groups", "precomputed", "task"), list(_cases()))
+def test_reduced_presets_are_exact_over_every_batch(problem, name, regime, size, groups, precomputed, task):
+    """E[g] = grad KL_seq over every ordered batch, with statistics fitted to GRPO advantages of the batch (r minus
+    the group mean, over the group std when normalized: both depend on every row, which the statistics must undo)
+    and with the termination control variate (eos)."""
     pol, tg = problem
     behaviour = pol.behaviour_logits if regime == "off-policy" else None
+    extra = {} if task is None else {"rewards": _rewards(pol), "normalized": task.startswith("normalized"),
+                                     "eos": task.endswith("eos")}
     mean, _ = batch_moments(pol.space, pol.logits, pol.ref_logits, name, size, behaviour_logits=behaviour,
-                            groups=groups, precomputed=precomputed)
+                            groups=groups, precomputed=precomputed, **extra)
     assert relative_error(mean, tg[regime]) < 1e-10
 
 

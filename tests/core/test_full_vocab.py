@@ -1,16 +1,17 @@
 """The full-vocabulary estimator (`full`, kl_adapters/full_vocab.py): exact, chunked, bf16-safe, memory-bounded.
 
 Identity pinned by enumeration (module docstring of full_vocab.py):
-    grad KL_seq = E_mu[ sum_t w_{1:t-1} grad KL_t + sum_t g_t (sum_{s>t} w_{1:s-1} KL_s - w_{1:t} b_t) ]
-for every ordered batch of G = 1, 2 sequences of a tabular policy (ragged lengths), on- and off-policy, with the
-baseline b_t leave-one-out over the batch's other row, computed by the loss or precomputed (rollout-time path).
+    grad KL_seq = E_mu[ sum_t w_{1:t-1} grad KL_t + sum_t g_t c_t ],  c_t = sum_{s>t} w_{1:s-1} KL_s + reductions
+for every ordered batch of G = 1, 2, 3 sequences of a tabular policy (ragged lengths), on- and off-policy, with the
+statistics leave-one-out over the batch's other rows (fitted with GRPO task advantages and end-of-sequence
+probabilities, or without), computed by the loss or precomputed (rollout-time path).
 """
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kl_adapters.audit import kl_seq, random_policies, relative_error, targets, token_logps
+from kl_adapters.audit import kl_seq, random_policies, relative_error, targets, task_and_eos, token_logps
 from kl_adapters.full_vocab import full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics
 
 PROBLEMS = [(3, 3, 0, 1.0), (3, 3, 1, 0.2), (4, 2, 2, 0.6)]  # (vocab incl. EOS, horizon, seed, drift)
@@ -22,11 +23,12 @@ def problem(request):
     return random_policies(vocab, horizon, seed, drift=drift, off_policy=0.6)
 
 
-def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False):
+def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False, task=False):
     """Exact E[grad] over every ordered batch of `size` sequences sampled from pi (or mu), in one call: the batches are
     stacked with one group id each (leave-one-out stays inside a batch) and each batch reads its own copy of the
     tabular logits, so one backward pass returns every batch's gradient. with_logp: the one-pass form, the score part
-    through the sampled tokens' log-probs."""
+    through the sampled tokens' log-probs; task: statistics fitted to GRPO advantages of a random reward, with the
+    termination control variate."""
     sp = pol.space
     batches = torch.cartesian_prod(*[torch.arange(sp.num_sequences)] * size).view(-1, size)
     rows, group = batches.flatten(), torch.arange(len(batches)).repeat_interleave(size)
@@ -35,12 +37,15 @@ def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False):
     ref = pol.ref_logits[sp.node_of_token[rows]]
     mask = sp.mask[rows]
     old = token_logps(sp, pol.behaviour_logits)[rows] if regime == "off-policy" else None
-    stats = {"group": group}
+    rewards = torch.rand(sp.num_sequences, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    extra = task_and_eos(sp, pol.logits, rows, group, rewards if task else None, task == "normalized", bool(task))
+    stats = {"group": group, **extra}
     if precomputed:
         lp, lq = torch.log_softmax(logits.detach(), -1), torch.log_softmax(ref, -1)
         kl = (lp.exp() * (lp - lq)).sum(-1) * mask
-        log_rho = torch.zeros_like(kl) if old is None else (token_logps(sp, pol.logits)[rows] - old) * mask
-        stats = {"statistics": full_statistics(kl, log_rho, mask.double(), group)}
+        tok = token_logps(sp, pol.logits)[rows], token_logps(sp, pol.ref_logits)[rows]
+        stats = {"statistics": full_statistics(kl, *tok, mask, old_logp=old, group=group, **extra),
+                 "eos": extra.get("eos")}
     if with_logp:
         stats["logp"] = torch.log_softmax(logits, -1).gather(-1, sp.token[rows].clamp(min=0)[..., None])[..., 0]
     loss = full_kl_surrogate(logits, ref, sp.token[rows], mask, old_logp=old, **stats) * len(batches)
@@ -49,14 +54,17 @@ def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False):
 
 
 @pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
-@pytest.mark.parametrize(("size", "precomputed", "with_logp"),
-                         [(1, False, False), (2, False, False), (2, True, False), (1, False, True), (2, True, True)])
-def test_full_is_exact_over_every_batch(problem, regime, size, precomputed, with_logp):
-    """E[(1/G) sum_b g_b] = grad KL_seq exactly, baseline leave-one-out within each batch (or precomputed), in two
-    passes or in one with the sampled tokens' log-probs given."""
+@pytest.mark.parametrize(("size", "precomputed", "with_logp", "task"),
+                         [(1, False, False, False), (2, False, False, False), (2, True, False, False),
+                          (1, False, True, False), (2, True, True, False), (3, False, False, "advantages"),
+                          (3, True, True, "normalized"), (2, False, True, "advantages")])
+def test_full_is_exact_over_every_batch(problem, regime, size, precomputed, with_logp, task):
+    """E[(1/G) sum_b g_b] = grad KL_seq exactly, statistics leave-one-out within each batch (or precomputed, fitted
+    with GRPO advantages, shift-only or normalized, and end-of-sequence probabilities), in two passes or in one with
+    the sampled tokens' log-probs given."""
     sampler = problem.logits if regime == "on-policy" else problem.behaviour_logits
     target = targets(problem.space, problem.logits, problem.ref_logits, sampler)["kl_seq"]
-    assert relative_error(_expected_gradient(problem, size, regime, precomputed, with_logp), target) < 1e-10
+    assert relative_error(_expected_gradient(problem, size, regime, precomputed, with_logp, task), target) < 1e-10
 
 
 @pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
@@ -165,7 +173,8 @@ def test_statistics_of_the_rollout_batch_sliced_into_micro_batches():
     ref = h_ref @ w_ref.T
     lp, lq = torch.log_softmax(logits.detach(), -1), torch.log_softmax(ref, -1)
     kl = (lp.exp() * (lp - lq)).sum(-1) * mask
-    stats = full_statistics(kl, torch.zeros_like(kl), mask.double())
+    at = tokens.clamp(min=0)[..., None]
+    stats = full_statistics(kl, lp.gather(-1, at)[..., 0], lq.gather(-1, at)[..., 0], mask)
     whole = full_kl_surrogate(logits, ref, tokens, mask)
     parts = sum(full_kl_surrogate(logits[r], ref[r], tokens[r], mask[r], statistics=stats[r]) * 0.5
                 for r in (slice(0, 2), slice(2, 4)))
@@ -257,8 +266,8 @@ def test_junk_in_padding_is_ignored():
 
 def test_statistics_must_align_with_the_batch():
     args = _bad()
-    stats = full_statistics(torch.zeros(5, 6, dtype=torch.float64), torch.zeros(5, 6, dtype=torch.float64),
-                            torch.ones(5, 6, dtype=torch.float64))
+    zeros = torch.zeros(5, 6, dtype=torch.float64)
+    stats = full_statistics(zeros, zeros, zeros, torch.ones(5, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="statistics.cv_coef has shape"):
         full_kl_surrogate(**args, statistics=stats)
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kl_adapters import KLStatistics, SAMPLED_TOKEN_PRESETS, kl_coefficients, kl_statistics, kl_surrogate, kl_term
+from kl_adapters import (SAMPLED_TOKEN_PRESETS, EndOfSequence, KLStatistics, TaskAdvantages, kl_coefficients,
+                         kl_statistics, kl_surrogate, kl_term)
 
 REDUCED = [n for n, p in SAMPLED_TOKEN_PRESETS.items() if p.uses_batch_statistics]
 
@@ -33,36 +34,70 @@ def batches(draw):
     return logp, ref, mask, old if draw(st.booleans()) else None, group if draw(st.booleans()) else None
 
 
+def _grpo(rewards, group, normalized):
+    """GRPO advantages: r minus its group's mean (over the group's std when normalized): every row's depends on all."""
+    same = torch.zeros_like(rewards, dtype=torch.long) if group is None else torch.unique(group, return_inverse=True)[1]
+    adv = torch.empty_like(rewards)
+    for g in same.unique():
+        r = rewards[same == g]
+        a = r - r.mean()
+        adv[same == g] = a / (a.std() + 1e-4) if normalized and len(r) > 1 else a
+    return TaskAdvantages(adv, 0.5, normalized)
+
+
+def _eos(logp, mask, seed):
+    gen = torch.Generator().manual_seed(seed)
+    prob = torch.rand(logp.shape, generator=gen, dtype=torch.float64) * 0.2
+    last = mask & ~torch.roll(mask, -1, 1)  # the last real token of each row: an EOS in a random half of the rows
+    return EndOfSequence(prob, last & (torch.rand(logp.shape[0], 1, generator=gen) < 0.5))
+
+
 @settings(max_examples=60, deadline=None)
-@given(batch=batches(), row=st.integers(0, 5), scale=st.floats(0.1, 3.0))
-def test_a_rows_statistics_do_not_depend_on_the_row(batch, row, scale):
+@given(batch=batches(), row=st.integers(0, 5), scale=st.floats(0.1, 3.0), task=st.sampled_from([None, False, True]),
+       with_eos=st.booleans())
+def test_a_rows_statistics_do_not_depend_on_the_row(batch, row, scale, task, with_eos):
+    """Row b's statistics are functions of the other rows only, with GRPO advantages that depend on row b's reward
+    (through the group mean and std) and with end-of-sequence probabilities."""
     logp, ref, mask, old, group = batch
     row = row % logp.shape[0]
-    before = kl_statistics(logp, ref, mask, old_logp=old, group=group)
+    rewards = torch.rand(logp.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def stats(lp, m, r):
+        extra = {} if task is None else {"task": _grpo(r, group, task)}
+        if with_eos:
+            extra["eos"] = _eos(lp, m, 2)
+        return kl_statistics(lp, ref, m, old_logp=old, group=group, **extra)
+
+    before = stats(logp, mask, rewards)
     logp2 = logp.clone()
-    logp2[row] = logp[row] * scale - 0.1  # another sample in row b (and another length)
+    logp2[row] = logp[row] * scale - 0.1  # another sample in row b (and another length, another reward)
     mask2 = mask.clone()
     mask2[row] = torch.arange(mask.shape[1]) < (mask.shape[1] - int(mask[row].sum()))
-    after = kl_statistics(logp2, ref, mask2, old_logp=old, group=group)
+    rewards2 = rewards.clone()
+    rewards2[row] = rewards[row] * scale + 0.3
+    after = stats(logp2, mask2, rewards2)
     # leave-one-out sums are group totals minus the row's own value: rounding of the changed row's terms in the total
     # moves them by ~1e-12 relative (hypothesis found 0.1996 vs 0.1996 beyond 1e-12); a dependence would be O(1)
-    assert torch.allclose(before.cv_coef[row], after.cv_coef[row], rtol=1e-9, atol=1e-12)
+    for field in ("cv_coef", "eos_coef", "past_coef"):
+        assert torch.allclose(getattr(before, field)[row], getattr(after, field)[row], rtol=1e-9, atol=1e-12), field
     assert torch.allclose(before.baseline[row] * mask2[row], after.baseline[row] * mask2[row], rtol=1e-9, atol=1e-12)
-    assert torch.equal(before.alone[row], after.alone[row])
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch=batches(), name=st.sampled_from(REDUCED), cut=st.integers(0, 6))
-def test_statistics_sliced_into_micro_batches_give_the_whole_batch_weights(batch, name, cut):
-    """kl_statistics on the whole batch, sliced with it, reproduces the whole-batch weights in every micro-batch."""
+@given(batch=batches(), name=st.sampled_from(REDUCED), cut=st.integers(0, 6), with_eos=st.booleans())
+def test_statistics_sliced_into_micro_batches_give_the_whole_batch_weights(batch, name, cut, with_eos):
+    """kl_statistics on the whole batch, sliced with it, reproduces the whole-batch weights in every micro-batch (each
+    micro-batch passing its own rows' end-of-sequence probabilities, whose termination control variate they apply)."""
     logp, ref, mask, old, group = batch
-    whole = kl_coefficients(logp, ref, mask, preset=name, old_logp=old, group=group)
-    stats = kl_statistics(logp, ref, mask, old_logp=old, group=group, preset=name)
+    eos = _eos(logp, mask, 3) if with_eos else None
+    whole = kl_coefficients(logp, ref, mask, preset=name, old_logp=old, group=group, eos=eos)
+    stats = kl_statistics(logp, ref, mask, old_logp=old, group=group, preset=name, eos=eos)
     for rows in (slice(0, cut), slice(cut, None)):
         if logp[rows].shape[0] == 0:
             continue
+        part_eos = None if eos is None else EndOfSequence(eos.prob[rows], eos.is_eos[rows])
         part = kl_coefficients(logp[rows], ref[rows], mask[rows], preset=name,
-                               old_logp=None if old is None else old[rows], statistics=stats[rows])
+                               old_logp=None if old is None else old[rows], statistics=stats[rows], eos=part_eos)
         assert torch.allclose(part, whole[rows], rtol=1e-12, atol=1e-14)
 
 
@@ -75,57 +110,71 @@ def test_group_ids_are_labels_and_batch_order_does_not_matter(batch):
     a = kl_statistics(logp, ref, mask, old_logp=old, group=group)
     relabelled = kl_statistics(logp[perm], ref[perm], mask[perm], old_logp=None if old is None else old[perm],
                                group=group[perm] * 7 + 100)
-    assert torch.allclose(a.cv_coef[perm], relabelled.cv_coef, rtol=1e-12)
+    for field in ("cv_coef", "eos_coef", "past_coef"):
+        assert torch.allclose(getattr(a, field)[perm], getattr(relabelled, field), rtol=1e-12, atol=1e-14)
     assert torch.allclose(a.baseline[perm], relabelled.baseline, rtol=1e-10, atol=1e-12)
 
 
-def test_single_sequence_and_singleton_groups_use_the_single_sample_form():
+def test_rows_with_fewer_than_two_others_get_the_plain_form():
+    """A row alone in its group, or with one other row, gets every statistic 0: the weights of sequence-plain."""
     logp, ref, mask, _ = _batch()
-    stats = kl_statistics(logp, ref, mask, group=torch.tensor([0, 0, 1, 2, 2]))
-    assert stats.alone.tolist() == [False, False, True, False, False]
-    assert torch.all(stats.baseline[2] == 0)
-    one = kl_statistics(logp[:1], ref[:1], mask[:1])
-    assert one.alone.tolist() == [True] and torch.all(one.baseline == 0)
-    # a row whose others have no real token is alone too
-    empty = mask.clone()
-    empty[1:] = False
-    assert kl_statistics(logp, ref, empty).alone[0]
+    group = torch.tensor([0, 0, 1, 2, 2])
+    stats = kl_statistics(logp, ref, mask, group=group)
+    for field in ("cv_coef", "eos_coef", "past_coef"):
+        assert torch.all(getattr(stats, field) == 0), field
+    assert torch.all(stats.baseline == 0)
+    plain = kl_coefficients(logp, ref, mask, preset="sequence-plain")
+    assert torch.equal(kl_coefficients(logp, ref, mask, group=group), plain)
+    assert torch.equal(kl_coefficients(logp[:1], ref[:1], mask[:1]), plain[:1])
 
 
 def test_statistics_are_detached_and_in_the_working_dtype():
     logp, ref, mask, _ = _batch()
     x = logp.float().requires_grad_(True)
-    stats = kl_statistics(x, ref.float(), mask)
-    assert stats.cv_coef.dtype == stats.baseline.dtype == torch.float32
-    assert not stats.cv_coef.requires_grad and not stats.baseline.requires_grad
+    stats = kl_statistics(x, ref.float(), mask, task=TaskAdvantages(torch.randn(5), 0.1))
+    for value in stats.as_dict().values():
+        assert value.dtype == torch.float32 and not value.requires_grad
     assert stats.cv_coef.shape == (5,) and stats.baseline.shape == (5, 7)
 
 
-def test_bad_statistics_and_group_are_refused():
+def test_statistics_slice_move_and_resize():
+    logp, ref, mask, _ = _batch()
+    stats = kl_statistics(logp, ref, mask)
+    assert stats[1:3].baseline.shape == (2, 7) and stats[torch.tensor([4, 0])].past_coef.shape == (2,)
+    wide, narrow = stats.with_width(9), stats.with_width(4)
+    assert torch.equal(wide.baseline[:, :7], stats.baseline) and torch.all(wide.baseline[:, 7:] == 0)
+    assert torch.equal(narrow.baseline, stats.baseline[:, :4]) and torch.equal(narrow.cv_coef, stats.cv_coef)
+    assert stats.to(torch.float32).eos_coef.dtype == torch.float32
+
+
+def test_bad_statistics_group_task_and_eos_are_refused():
     logp, ref, mask, old = _batch()
     stats = kl_statistics(logp, ref, mask)
     with pytest.raises(ValueError, match="silent no-op"):
         kl_surrogate(logp, ref, mask, preset="sequence-plain", statistics=stats)
     with pytest.raises(ValueError, match="silent no-op"):
         kl_term(logp, ref, mask, preset="token", group=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="silent no-op"):
+        kl_term(logp, ref, mask, preset="k3-loss", task=TaskAdvantages(torch.zeros(5), 0.1))
     with pytest.raises(ValueError, match="not both"):
         kl_surrogate(logp, ref, mask, statistics=stats, group=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="pass it to kl_statistics"):
+        kl_surrogate(logp, ref, mask, statistics=stats, task=TaskAdvantages(torch.zeros(5), 0.1))
     with pytest.raises(ValueError, match="slice the statistics"):
         kl_surrogate(logp[:3], ref[:3], mask[:3], statistics=stats)
     with pytest.raises(ValueError, match=r"statistics.baseline has shape \(5, 6\)"):
-        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.baseline[:, :6]))
+        kl_surrogate(logp, ref, mask, statistics=stats.with_width(6))
     with pytest.raises(TypeError, match="statistics.cv_coef must be a torch.Tensor"):
-        kl_surrogate(logp, ref, mask, statistics=KLStatistics([0.5] * 5, stats.baseline))
-    with pytest.raises(TypeError, match="statistics.alone"):
-        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.baseline, stats.alone.long()))
+        kl_surrogate(logp, ref, mask, statistics=KLStatistics([0.5] * 5, stats.eos_coef, stats.past_coef,
+                                                              stats.baseline))
     nan = stats.baseline.clone()
     nan[0, 0] = float("nan")
     with pytest.raises(ValueError, match="statistics.baseline has non-finite"):
-        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
+        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.eos_coef, stats.past_coef, nan))
     nan[0, 0] = 0.0
     nan[3, 6] = float("nan")  # padding of row 3 (length 1): never read
     x = logp.clone().requires_grad_(True)
-    loss = kl_surrogate(x, ref, mask, statistics=KLStatistics(stats.cv_coef, nan))
+    loss = kl_surrogate(x, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.eos_coef, stats.past_coef, nan))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     with pytest.raises(ValueError, match=r"group has shape \(4,\)"):
@@ -134,6 +183,30 @@ def test_bad_statistics_and_group_are_refused():
         kl_surrogate(logp, ref, mask, group=torch.zeros(5))
     with pytest.raises(TypeError, match="group must be a torch.Tensor"):
         kl_statistics(logp, ref, mask, group=[0, 0, 1, 1, 2])
+    # task advantages
+    with pytest.raises(ValueError, match=r"task.advantages has shape \(4,\)"):
+        kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.zeros(4), 0.1))
+    with pytest.raises(ValueError, match="task.beta must be a finite number > 0"):
+        kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.zeros(5), 0.0))
+    with pytest.raises(ValueError, match="task.advantages has non-finite"):
+        kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.full((5,), float("inf")), 0.1))
+    with pytest.raises(TypeError, match="task must be a kl_adapters.TaskAdvantages"):
+        kl_statistics(logp, ref, mask, task=torch.zeros(5))
+    # end-of-sequence probabilities
+    eos = _eos(logp, mask, 0)
+    with pytest.raises(ValueError, match="eos.prob has shape"):
+        kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob[:, :3], eos.is_eos))
+    with pytest.raises(TypeError, match="eos.is_eos must be a bool tensor"):
+        kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob, eos.is_eos.long()))
+    with pytest.raises(ValueError, match=r"eos.prob \(a probability in \[0, 1\]\)"):
+        kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob + 1.5, eos.is_eos))
+    with pytest.raises(ValueError, match="eos.horizon must be"):
+        kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob, eos.is_eos, horizon=3))
+    with_eos = kl_statistics(logp, ref, mask, eos=eos)
+    with pytest.raises(ValueError, match="statistics.eos_coef is nonzero"):
+        kl_surrogate(logp, ref, mask, statistics=with_eos)
+    with pytest.raises(ValueError, match="use kl_adapters.full_statistics"):
+        kl_statistics(logp, ref, mask, preset="full")
 
 
 def test_given_statistics_equal_the_batch_own():

@@ -49,12 +49,13 @@ def test_closed_form_batch_gradient_equals_autograd(name, off_policy):
     group = torch.arange(8) // group_size
     g = variance.preset_gradients(name, s, model, group, group_size)
     theta = model.logits.clone().requires_grad_(True)
+    eos = s.eos(model.vocab)  # the bench passes the end-of-sequence probabilities, as the adapters do
     if name == "full":
         loss = full_kl_surrogate(theta[s.states], model.ref_logits[s.states], s.tokens, s.mask, old_logp=s.old_logp,
-                                 group=group)
+                                 group=group, eos=eos)
     else:
         logp = torch.log_softmax(theta, -1)[s.states, s.tokens]
-        extra = {"group": group} if name == "sequence" else {}
+        extra = {"group": group, "eos": eos} if name == "sequence" else {}
         loss = kl_surrogate(logp, s.ref_logp, s.mask, preset=name, old_logp=s.old_logp, **extra)
     # kl_surrogate averages over all 8 rows, i.e. over the 2 batches: the mean of the batch gradients
     torch.testing.assert_close(g.mean(0), torch.autograd.grad(loss, theta)[0].flatten(), rtol=1e-10, atol=1e-13)
@@ -71,6 +72,21 @@ def test_grid_smoke_ratios_and_bias():
             assert r["ratio"] == pytest.approx(1.0)
         else:
             assert r["bias"] < 5 * r["bias_se"], r  # unbiased on- and off-policy
+
+
+def test_task_mode_smoke():
+    """With a task reward: task + KL ratios to sequence-plain, unbiased against (1 - 1/G) grad E[R] - beta grad KL, at
+    the drifted policy and after exact ascent steps."""
+    args = variance.parse_args(["--horizons", "8", "--groups", "4", "--drifts", "0.3", "--vocab", "5", "--regimes",
+                                "on", "--tokens", "4096", "--presets", "sequence", "full", "--task", "0.5",
+                                "--states", "0", "30"])
+    rows = variance.run_grid(args)
+    assert {r["state"] for r in rows} == {0, 30} and {r["preset"] for r in rows} >= {"sequence-plain", "token"}
+    for r in rows:
+        if r["preset"] == "sequence-plain":
+            assert r["total_ratio"] == pytest.approx(1.0)
+        if r["preset"] != "token":
+            assert r["total_bias"] < 5 * r["total_bias_se"], r
 
 
 def test_micro_mode_smoke():

@@ -204,11 +204,8 @@ def rows_of(batch: dict, exp) -> list[int]:
 
 def rows_statistics(batch: dict, statistics, exp):
     """The KLStatistics rows of a micro-batch's sequences (`rows_of`), on its device, at its width."""
-    from kl_adapters.reductions import KLStatistics
-
     rows, device, width = rows_of(batch, exp), exp.action_mask.device, exp.action_mask.shape[1]
-    return KLStatistics(statistics.cv_coef[rows].to(device), statistics.baseline[rows, :width].to(device),
-                        statistics.alone[rows].to(device))
+    return statistics[rows].with_width(width).to(device)
 
 
 def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS, statistics=None):

@@ -13,7 +13,6 @@ import kl_adapters
 from kl_adapters import kl_coefficients, kl_statistics, kl_surrogate, sequence_kl
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters.openrlhf_statistics import KEYS
-from kl_adapters.reductions import KLStatistics
 from openrlhf_cpu_shim import VOCAB, load_actor
 from openrlhf_harness import BETA, RESPONSES, base_argv, build_trainer, cli_args
 
@@ -178,7 +177,7 @@ def test_reward_path_gradient_is_reward_preset(args, models, actor_dir, ray_clus
             base = models[1](exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
         rows = stats[start:start + len(logp)]
         start += len(logp)
-        rows = KLStatistics(rows.cv_coef, rows.baseline[:, :logp.shape[1]], rows.alone)
+        rows = rows.with_width(logp.shape[1])
         surrogate = kl_surrogate(logp, base, exp.action_mask, preset="reward", statistics=rows) * len(logp)  # sum
         for acc, g in zip(expected, torch.autograd.grad(surrogate, params)):
             acc += BETA / n_tok * g
@@ -199,8 +198,8 @@ def test_loss_path_make_experience_attaches_rollout_statistics(args, models, ray
     for e in experiences:
         rows, width = slice(start, start + len(e.action_mask)), e.action_mask.shape[1]
         start += len(e.action_mask)
-        cv_coef, baseline, alone = (e.info[key] for key in KEYS)
-        torch.testing.assert_close(cv_coef, stats.cv_coef[rows])
-        torch.testing.assert_close(baseline * e.action_mask, stats.baseline[rows, :width] * e.action_mask)
-        assert torch.equal(alone, stats.alone[rows])
+        stored = {name: e.info[key] for name, key in KEYS.items()}
+        for name in ("cv_coef", "eos_coef", "past_coef"):
+            torch.testing.assert_close(stored[name], getattr(stats, name)[rows])
+        torch.testing.assert_close(stored["baseline"] * e.action_mask, stats.baseline[rows, :width] * e.action_mask)
     assert start == len(RESPONSES)

@@ -49,8 +49,8 @@ def test_statistics_survive_the_replay_buffer(actor_dir, ref_dir, cpu_cuda):
         rows, width = rows_of(batch, micro), micro.action_mask.shape[1]
         got = take(micro)
         assert not any(key in micro.info for key in KEYS)
-        torch.testing.assert_close(got.cv_coef, stats.cv_coef[rows], rtol=0, atol=0)
-        assert torch.equal(got.alone, stats.alone[rows])
+        for name in ("cv_coef", "eos_coef", "past_coef"):
+            torch.testing.assert_close(getattr(got, name), getattr(stats, name)[rows], rtol=0, atol=0)
         torch.testing.assert_close(got.baseline * micro.action_mask, stats.baseline[rows, :width] * micro.action_mask,
                                    rtol=0, atol=0)
         seen += rows

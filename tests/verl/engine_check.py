@@ -50,7 +50,6 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from verl_cases import VOCAB, make_tokens, tiny_llama  # noqa: E402
 
 from kl_adapters import get_preset, kl_statistics, kl_surrogate, per_sequence_beta  # noqa: E402
-from kl_adapters.reductions import KLStatistics  # noqa: E402
 
 COEF, MINI, MICRO = 0.5, 8, 4
 
@@ -130,8 +129,8 @@ def oracle(config_without_kl, preset, old, ref):
         width = mask.shape[1]
         rows = (td["old_log_probs"][:, None].cpu() == old[None, :, :width]).all(-1).float().argmax(1)
         rows_statistics = statistics[rows]
-        kl_kwargs = {} if not get_preset(preset).uses_batch_statistics else {"statistics": KLStatistics(
-            rows_statistics.cv_coef.to(lp.device), rows_statistics.baseline[:, :width].to(lp.device))}
+        kl_kwargs = {} if not get_preset(preset).uses_batch_statistics else {
+            "statistics": rows_statistics.with_width(width).to(lp.device)}
         return loss + kl_surrogate(lp, td["ref_log_prob"], mask, preset=preset, beta=beta,
                                    old_logp=td["old_log_probs"], **kl_kwargs), metrics
 

@@ -10,6 +10,8 @@ These functions return *values*. Which gradient a configuration produces is deci
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -32,6 +34,14 @@ def k2(log_ratio: Tensor) -> Tensor:
 def k3(log_ratio: Tensor) -> Tensor:
     """k3 = pi_ref/pi - 1 - log(pi_ref/pi) = expm1(-k1) + k1, exact near k1 = 0 (no cancellation)."""
     return torch.expm1(-log_ratio) + log_ratio
+
+
+def capped(log_x: Tensor) -> Tensor:
+    """log_x capped at half the log of its dtype's largest value (44 in float32, 354 in float64), so that exp(log_x)
+    and sums of many such terms stay finite: importance weights of a batch far off-policy and pi_ref/pi of a token the
+    policy all but excludes. The cap acts only where the exact value would overflow the working dtype (tested:
+    tests/core/test_faults.py::test_overflowing_weights_stay_finite); there it biases, which is_ess shows."""
+    return log_x.clamp(max=0.5 * math.log(torch.finfo(log_x.dtype).max))
 
 
 def reverse_cumsum(x: Tensor) -> Tensor:

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ._validate import (check_batch, check_beta, check_eos, check_group, check_statistics, check_statistics_options,
                         check_task, eos_rule)
-from .estimators import reverse_cumsum, working_dtype
+from .estimators import capped, reverse_cumsum, working_dtype
 from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum, past_kl,
                          relative_returns, same_group, score_weight, task_in_kl_units, termination_increments)
 
@@ -133,7 +133,7 @@ def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, sta
     mask: 0/1 in kl's dtype; eta: `reductions.termination_increments` or None.
     """
     log_w = (log_rho * mask).cumsum(-1)
-    w = torch.exp(log_w) * mask
+    w = torch.exp(capped(log_w)) * mask
     future_kl = reverse_cumsum(w * _next(kl * mask))  # sum_{s>t} w_{1:s-1} KL_s
     future_k1 = reverse_cumsum(w * k1) - w * k1  # sum_{s>t} w_{1:s} k1_s
     a = statistics.cv_coef[:, None]
@@ -146,7 +146,7 @@ def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, sta
 
 def _path_weights(log_w: Tensor, mask: Tensor) -> Tensor:
     """w_{1:t-1} = exp(sum_{s<t} log rho_s) at real tokens (1 on-policy), from log_w = cumsum of the masked log rho."""
-    return torch.exp(_shift_right(log_w, 0.0)) * mask
+    return torch.exp(capped(_shift_right(log_w, 0.0))) * mask
 
 
 def _check_full_inputs(logits_shape: torch.Size, ref_shape: torch.Size, tokens: Tensor, mask: Tensor,
@@ -220,7 +220,8 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
         return torch.zeros_like(lp) if old_logp is None else (lp - torch.where(m, old_logp.to(dtype), 0.0)) * mf
 
     given = None if logp is None else torch.where(m, logp.to(dtype), 0.0)
-    path_given = None if given is None else _path_weights(log_rho_of(given).cumsum(-1), mf).flatten()[flat] / batch
+    path_given = (None if given is None
+                  else _path_weights(log_rho_of(given).cumsum(-1), mf).flatten()[flat] / max(batch, 1))
     scale_flat = torch.zeros_like(kl_flat)  # 2 eps max_v |z_v| per token (LOGP_TOLERANCE)
     for start in range(0, flat.numel(), chunk_size):  # pass 1: the per-token terms (one pass: and the gradient)
         part = slice(start, start + chunk_size)
@@ -277,13 +278,13 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
                              torch.where(m, statistics.baseline.detach().to(dtype), 0.0))
     path_w, score_c = full_coefficients(kl, k1, log_rho, mf, stats, eta)
     if given is None:
-        path_flat, score_flat = path_w.flatten()[flat] / batch, score_c.flatten()[flat] / batch
+        path_flat, score_flat = path_w.flatten()[flat] / max(batch, 1), score_c.flatten()[flat] / max(batch, 1)
         for start in range(0, flat.numel(), chunk_size):  # pass 2: the gradient with respect to each chunk's logits
             part = slice(start, start + chunk_size)
             z, z_ref = logits_of(flat[part])
             p, centred, _, _ = _chunk_terms(z.to(dtype), z_ref.to(dtype), y[part])
             on_grad(flat[part], _chunk_grad(p, centred, y[part], path_flat[part], score_flat[part]))
-    return (path_w * kl).sum() / batch, score_c / batch
+    return (path_w * kl).sum() / max(batch, 1), score_c / max(batch, 1)
 
 
 class _FullFromLogits(torch.autograd.Function):

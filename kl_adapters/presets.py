@@ -29,7 +29,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .estimators import k3, reverse_cumsum
+from .estimators import capped, reverse_cumsum
 from .reductions import KLStatistics, TaskAdvantages, control_variate, past_kl
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
@@ -60,7 +60,7 @@ class Terms:
         if self.on_policy:
             return self.mask
         log_rho = self.log_rho if self.is_clip is None else self.log_rho.clamp(max=_log(self.is_clip))
-        return torch.exp(log_rho) * self.mask
+        return torch.exp(capped(log_rho)) * self.mask
 
     @cached_property
     def cv(self) -> Tensor:
@@ -82,7 +82,7 @@ class Terms:
         log_w = self.log_rho.cumsum(-1)
         if self.is_clip is not None:
             log_w = log_w.clamp(max=_log(self.is_clip))
-        return torch.exp(log_w) * self.mask
+        return torch.exp(capped(log_w)) * self.mask
 
 
 def _log(x: float) -> float:
@@ -178,12 +178,12 @@ def _k2_loss(t: Terms) -> Tensor:
 
 
 def _k3_loss(t: Terms) -> Tensor:
-    # d k3 / d log pi = 1 - pi_ref/pi = -expm1(-k1)
-    return -torch.expm1(-t.k1) * t.mask
+    # d k3 / d log pi = 1 - pi_ref/pi = -expm1(-k1) = -xi
+    return -t.cv
 
 
 def _k3_reward(t: Terms) -> Tensor:
-    return reverse_cumsum(k3(t.k1) * t.mask)
+    return reverse_cumsum((t.k1 + t.cv) * t.mask)  # k3 = k1 + xi
 
 
 _SEQUENCE = Preset(

@@ -50,7 +50,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .estimators import reverse_cumsum
+from .estimators import capped, reverse_cumsum
 
 #: prior weight, in tokens, of a~ = 0 (the plain k1 return) against the fitted token-level coefficient
 CV_PRIOR_TOKENS = 4.0
@@ -141,8 +141,9 @@ def zero_statistics(batch: int, width: int, dtype: torch.dtype, device: torch.de
 
 
 def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
-    """xi_t = r_t - 1 = pi_ref/pi - 1 = expm1(-k1_t) at real tokens, 0 at padding: zero mean under pi given the prefix."""
-    return torch.expm1(-k1) * mask
+    """xi_t = r_t - 1 = pi_ref/pi - 1 = expm1(-k1_t) at real tokens, 0 at padding: zero mean under pi given the prefix
+    (-k1 `estimators.capped` where r would overflow the working dtype)."""
+    return torch.expm1(capped(-k1)) * mask
 
 
 def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype) -> Tensor:

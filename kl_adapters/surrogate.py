@@ -97,6 +97,8 @@ def _is_ess(t: Terms) -> Tensor:
     """(sum_b W_b)^2 / (B sum_b W_b^2), W_b = w_{1:T_b} the uncapped full-sequence weight: 1 on-policy, -> 1/B as the
     weights degenerate. Computed relative to the largest W (invariant), so it neither overflows nor divides by 0."""
     log_w = t.log_rho.sum(-1)
+    if log_w.numel() == 0:  # an empty micro-batch: no weight has degenerated
+        return torch.ones((), dtype=log_w.dtype, device=log_w.device)
     w = torch.exp(log_w - log_w.max())
     return w.sum().square() / (w.numel() * w.square().sum())
 
@@ -140,8 +142,10 @@ class KLTerm:
 
 
 def _surrogate(term: KLTerm, beta: float | Tensor) -> Tensor:
+    """beta (1/B) sum_b (value_b + sum_t c grad logp); an empty batch (B = 0) gives 0 with a graph through logp (a
+    data-parallel rank with nothing to contribute still takes part in the backward pass)."""
     grad_part = (term.coefficients * term.logp).sum()
-    return beta * (term.sequence_kl.sum() + (grad_part - grad_part.detach())) / term.logp.shape[0]
+    return beta * (term.sequence_kl.sum() + (grad_part - grad_part.detach())) / max(term.logp.shape[0], 1)
 
 
 def kl_term(

@@ -30,16 +30,19 @@ cancelled; so the coefficients are fitted to the combined weight, not to the KL 
 How they are fitted (`batch_statistics`), for row b from the other rows b' of its group (leave-one-out):
   1. KL-only coefficients, precise because they are token-level: a~_b = clamp(-sum k1 xi / sum xi^2, 0, 1) (the
      regression of k1 on xi, with CV_PRIOR_TOKENS of prior weight on 0) and kappa_b = the mean k1 per token (the KL a
-     stop gives up per lost position). Z = a~_b Q - kappa_b H is the KL-optimal control variate of the return after t.
+     stop gives up per lost position). a~_b Q and -kappa_b H are the KL-optimal control variates of the return after
+     t (a fitted termination coefficient would be noisy: a stop is a rare, row-level event).
   2. The joint fit: with the other rows' returns from t given they reached t (P: the preset's, Q = sum_{s>t} xi_s,
      H = sum_{s>t} eta_s, importance-weighted relative to t where the preset's return is) and the task in KL units,
      y = P - alpha~ (alpha~ = A / beta, its shift over the other rows removed; with TaskAdvantages.normalized also its
-     scale, see there), (rho, delta, lambda) minimise sum over the other rows' tokens of omega (y + rho Z + delta D +
-     lambda Pi - m_t)^2 with a free mean m_t per position (least squares, clamped to [0, 1]); omega = (1 - pi(y_t))^2
-     is the squared norm of the token's logit score e_y - pi without the rest of the distribution (the gradient's
-     variance weighs each token's weight by it). a_b = rho a~_b, h_b = -rho kappa_b.
-  3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + rho Z + delta D + lambda Pi, shrunk
-     toward 0 by a positive-part James-Stein factor (a mean of few returns adds its own noise).
+     scale, see there), (rho_xi, rho_eos, delta, lambda) minimise sum over the other rows' tokens of
+     omega (y + rho_xi a~ Q - rho_eos kappa H + delta D + lambda Pi - m_t)^2 with a free mean m_t per position (least
+     squares, clamped to [0, 1]: each rho scales a KL-optimal control variate down to what the task leaves
+     uncancelled); omega = (1 - pi(y_t))^2 is the squared norm of the token's logit score e_y - pi without the rest of
+     the distribution (the gradient's variance weighs each token's weight by it). a_b = rho_xi a~_b,
+     h_b = -rho_eos kappa_b.
+  3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + (the fitted terms), shrunk toward 0 by a
+     positive-part James-Stein factor (a mean of few returns adds its own noise).
 A row with fewer than two other rows in its group gets every statistic 0: the plain form.
 """
 
@@ -258,11 +261,11 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
     else:
         scale = torch.ones(batch, dtype=dtype, device=mask.device)
     # y = P - scale (alpha - mu), Z = a~ Q - kappa H, D, Pi as linear maps of the 6 channels, per row
-    lin = torch.zeros(batch, 4, 6, dtype=dtype, device=mask.device)
+    lin = torch.zeros(batch, 5, 6, dtype=dtype, device=mask.device)
     lin[:, 0, 0], lin[:, 0, 1] = 1.0, -scale
-    lin[:, 1, 2], lin[:, 1, 3] = cv_scale, -kappa
-    lin[:, 2, 4] = 1.0
-    lin[:, 3, 5] = 1.0
+    lin[:, 1, 2], lin[:, 2, 3] = cv_scale, -kappa
+    lin[:, 3, 4] = 1.0
+    lin[:, 4, 5] = 1.0
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
     theta = _joint_fit(moments, raw, count.sum(-1))
@@ -270,9 +273,9 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
     mean = ((coef[:, :, None] * s_f).sum(1) + (scale * mu)[:, None] * weight) * inv_w
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
     baseline = _james_stein(mean, var_z, weight, count)
-    rho, delta, lam = theta.unbind(-1)
-    cv_coef = rho * cv_scale if r.resample is None else delta
-    eos_coef = torch.zeros_like(rho) if r.eos is None else -rho * kappa
+    rho_cv, rho_eos, delta, lam = theta.unbind(-1)
+    cv_coef = rho_cv * cv_scale if r.resample is None else delta
+    eos_coef = torch.zeros_like(rho_eos) if r.eos is None else -rho_eos * kappa
     statistics = KLStatistics(cv_coef=cv_coef, eos_coef=eos_coef, past_coef=lam, baseline=baseline)
     # fewer than two other rows with tokens: no per-position spread to fit to, and a mean of one return adds its noise
     enough = others_sum((mask.sum(-1) > 0).to(dtype), same) >= 2
@@ -281,10 +284,10 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
 
 
 def _joint_fit(moments: Tensor, raw: Tensor, tokens: Tensor) -> Tensor:
-    """[B, 3] (rho, delta, lambda) minimising y + theta . x in the omega-weighted, per-position centred least squares
-    given by moments [B, 4, 4] of (y, x); a ridge of JOINT_PRIOR_TOKENS / tokens times each feature's variance, and
+    """[B, 4] (rho_xi, rho_eos, delta, lambda) minimising y + theta . x in the omega-weighted, per-position centred
+    least squares given by moments [B, 5, 5] of (y, x); a ridge of JOINT_PRIOR_TOKENS / tokens times each feature's variance, and
     every coefficient clamped to [0, 1] (0: the plain form's choice). A feature whose centred variance is below
-    VARIANCE_FLOOR times its raw second moment `raw` [B, 3] gets 0: the leave-one-out sums are group totals minus the
+    VARIANCE_FLOOR times its raw second moment `raw` [B, 4] gets 0: the leave-one-out sums are group totals minus the
     row's own terms, so a variance at rounding level would carry the row's own rounding (and bias the gradient)."""
     xx, xy = moments[:, 1:, 1:], moments[:, 1:, 0]
     diag = torch.diagonal(xx, dim1=-2, dim2=-1)

@@ -202,7 +202,7 @@ def test_bad_statistics_group_task_and_eos_are_refused():
         kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob + 1.5, eos.is_eos))
     with pytest.raises(ValueError, match="eos.horizon must be"):
         kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob, eos.is_eos, horizon=3))
-    with_eos = kl_statistics(logp, ref, mask, eos=eos)
+    with_eos = KLStatistics(stats.cv_coef, torch.full_like(stats.cv_coef, -0.01), stats.past_coef, stats.baseline)
     with pytest.raises(ValueError, match="statistics.eos_coef is nonzero"):
         kl_surrogate(logp, ref, mask, statistics=with_eos)
     with pytest.raises(ValueError, match="use kl_adapters.full_statistics"):

@@ -234,38 +234,32 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
     a fitted coefficient), returned in the working dtype.
     """
     out_dtype, dtype = mask.dtype, torch.float64
-    r = Returns(*(None if x is None else x.to(dtype) for x in (r.ret, r.cv, r.past, r.eos, r.resample)))
-    cv_scale, kappa, omega, mask = (x.to(dtype) for x in (cv_scale, kappa, omega, mask))
-    alpha = None if alpha is None else alpha.to(dtype)
-    batch, width = mask.shape
-    zero = torch.zeros_like(mask)
-    task = zero if alpha is None else alpha * mask
-    feats = torch.stack((r.ret, task, r.cv, zero if r.eos is None else r.eos,
-                         zero if r.resample is None else r.resample, r.past), 1)  # [B, 6, T]
+    mask, omega = mask.to(dtype), omega.to(dtype)
+    batch = mask.shape[0]
+    # the channels present in this batch: P, the task, then the fit's features (absent ones are left out, not zeros)
+    channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
+                "resample": r.resample, "past": r.past}
+    names = [n for n, x in channels.items() if x is not None]
+    feats = torch.stack([channels[n] for n in names], 1).to(dtype)  # [B, k, T], zero at padding
     om = omega * mask
-    sums = others_sum(torch.cat((torch.stack((om, mask), 1), om[:, None] * feats), 1), same)
+    weighted = om[:, None] * feats
+    sums = others_sum(torch.cat((torch.stack((om, mask), 1), weighted), 1), same)
     weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]
-    gram = others_sum(torch.einsum("bit,bjt->bij", om[:, None] * feats, feats), same)
+    gram = others_sum(torch.einsum("bit,bjt->bij", weighted, feats), same)
     inv_w = torch.where(weight > 0, weight.clamp(min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
     centred = gram - torch.einsum("bit,bjt->bij", s_f * inv_w[:, None], s_f)  # per-position centred, summed over t
     # the task's shift (and scale) over the other rows' tokens, unweighted: a shift common to the group cancels exactly
-    row_sums = torch.stack((task.sum(-1), task.square().sum(-1), mask.sum(-1)), 1)
-    tot = others_sum(row_sums, same)
-    tokens = tot[:, 2].clamp(min=1.0)
-    mu = tot[:, 0] / tokens
-    if normalized:  # a variance at rounding level (equal advantages) would carry the row's own rounding: scale 0
-        mean_sq = tot[:, 1] / tokens
-        var = (mean_sq - mu.square()).clamp(min=0.0)
-        scale = torch.where(var > VARIANCE_FLOOR * mean_sq, (task_beta * var.sqrt()).clamp(
-            min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
-    else:
-        scale = torch.ones(batch, dtype=dtype, device=mask.device)
-    # y = P - scale (alpha - mu), Z = a~ Q - kappa H, D, Pi as linear maps of the 6 channels, per row
-    lin = torch.zeros(batch, 5, 6, dtype=dtype, device=mask.device)
-    lin[:, 0, 0], lin[:, 0, 1] = 1.0, -scale
-    lin[:, 1, 2], lin[:, 2, 3] = cv_scale, -kappa
-    lin[:, 3, 4] = 1.0
-    lin[:, 4, 5] = 1.0
+    scale, mu = _task_scale(feats[:, names.index("task")] if alpha is not None else None, mask, normalized,
+                            task_beta, same)
+    # y = P - scale (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
+    features = [n for n in ("xi", "eos", "resample", "past") if n in names]
+    lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
+    lin[:, 0, 0] = 1.0
+    if alpha is not None:
+        lin[:, 0, names.index("task")] = -scale
+    factor = {"xi": cv_scale.to(dtype), "eos": -kappa.to(dtype), "resample": 1.0, "past": 1.0}
+    for row, n in enumerate(features, start=1):
+        lin[:, row, names.index(n)] = factor[n]
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
     theta = _joint_fit(moments, raw, count.sum(-1))
@@ -273,9 +267,11 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
     mean = ((coef[:, :, None] * s_f).sum(1) + (scale * mu)[:, None] * weight) * inv_w
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
     baseline = _james_stein(mean, var_z, weight, count)
-    rho_cv, rho_eos, delta, lam = theta.unbind(-1)
-    cv_coef = rho_cv * cv_scale if r.resample is None else delta
-    eos_coef = torch.zeros_like(rho_eos) if r.eos is None else -rho_eos * kappa
+    fitted = dict(zip(features, theta.unbind(-1)))
+    zero = torch.zeros(batch, dtype=dtype, device=mask.device)
+    cv_coef = fitted["resample"] if "resample" in fitted else fitted.get("xi", zero) * cv_scale.to(dtype)
+    eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
+    lam = fitted["past"]
     statistics = KLStatistics(cv_coef=cv_coef, eos_coef=eos_coef, past_coef=lam, baseline=baseline)
     # fewer than two other rows with tokens: no per-position spread to fit to, and a mean of one return adds its noise
     enough = others_sum((mask.sum(-1) > 0).to(dtype), same) >= 2
@@ -283,11 +279,31 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
                           for x in statistics.as_dict().values()))
 
 
+def _task_scale(task: Tensor | None, mask: Tensor, normalized: bool, beta: float, same: Tensor | None
+                ) -> tuple[Tensor, Tensor]:
+    """(scale_b, mu_b) [B]: the other rows' advantages enter the fit as scale_b (alpha - mu_b), mu_b their mean over
+    the other rows' tokens (a shift common to the group cancels exactly); scale 1, or with `normalized` 1 / (beta x
+    their standard deviation) (a scale common to the group cancels: unit-scale advantages, in KL units). A variance at
+    rounding level (equal advantages) would carry the row's own rounding: scale 0 there. (1, 0) without a task."""
+    ones = torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
+    if task is None:
+        return ones, torch.zeros_like(ones)
+    tot = others_sum(torch.stack((task.sum(-1), task.square().sum(-1), mask.sum(-1)), 1), same)
+    tokens = tot[:, 2].clamp(min=1.0)
+    mu = tot[:, 0] / tokens
+    if not normalized:
+        return ones, mu
+    mean_sq = tot[:, 1] / tokens
+    var = (mean_sq - mu.square()).clamp(min=0.0)
+    tiny = torch.finfo(mask.dtype).tiny
+    return torch.where(var > VARIANCE_FLOOR * mean_sq, (beta * var.sqrt()).clamp(min=tiny).reciprocal(), 0.0), mu
+
+
 def _joint_fit(moments: Tensor, raw: Tensor, tokens: Tensor) -> Tensor:
-    """[B, 4] (rho_xi, rho_eos, delta, lambda) minimising y + theta . x in the omega-weighted, per-position centred
-    least squares given by moments [B, 5, 5] of (y, x); a ridge of JOINT_PRIOR_TOKENS / tokens times each feature's variance, and
+    """[B, k] coefficients minimising y + theta . x in the omega-weighted, per-position centred least squares given
+    by moments [B, k + 1, k + 1] of (y, x); a ridge of JOINT_PRIOR_TOKENS / tokens times each feature's variance, and
     every coefficient clamped to [0, 1] (0: the plain form's choice). A feature whose centred variance is below
-    VARIANCE_FLOOR times its raw second moment `raw` [B, 4] gets 0: the leave-one-out sums are group totals minus the
+    VARIANCE_FLOOR times its raw second moment `raw` [B, k] gets 0: the leave-one-out sums are group totals minus the
     row's own terms, so a variance at rounding level would carry the row's own rounding (and bias the gradient)."""
     xx, xy = moments[:, 1:, 1:], moments[:, 1:, 0]
     diag = torch.diagonal(xx, dim1=-2, dim2=-1)

@@ -96,7 +96,7 @@ from ..activation import Settings
 from .._validate import check_is_clip
 from ..full_vocab import full_kl_surrogate_from_hidden
 from ..presets import get_preset
-from ..reductions import KLStatistics
+from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import KLTerm, kl_statistics, kl_term
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
 
@@ -223,12 +223,6 @@ def behaviour_logps(inputs: dict, logp: torch.Tensor) -> torch.Tensor | None:
 ROLLOUT_STATISTICS_KEYS = {f.name: f"kl_adapters_{f.name}" for f in fields(KLStatistics)}
 
 
-def _uses_statistics(settings: Settings | None) -> bool:
-    """A sampled-token preset with rollout statistics (`full` computes its own baseline at loss time)."""
-    spec = None if settings is None else get_preset(settings.preset)
-    return spec is not None and spec.uses_batch_statistics and not spec.needs_full_logits
-
-
 def _is_full(settings: Settings | None) -> bool:
     return settings is not None and get_preset(settings.preset).needs_full_logits
 
@@ -264,17 +258,21 @@ def group_ids(trainer: GRPOTrainer, rows: int) -> torch.Tensor:
     return torch.div(torch.arange(start, start + rows), mode_generations, rounding_mode="floor")
 
 
-def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str) -> KLStatistics | None:
-    """`kl_statistics(..., preset=preset)` of the whole generation batch, leave-one-out within each GRPO group, from
-    the log-probs TRL has at rollout time (`rollout_logps`); None when it has none. Row b's statistics depend on the
-    other rows only. They are taken on-policy (no old_logp: the rollout log-probs are the policy that sampled), where
-    `Preset.weighted_returns` has no effect, so `sequence` and `reward` get identical statistics here."""
+def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str,
+                       eos: EndOfSequence | None = None) -> KLStatistics | None:
+    """`kl_statistics(..., preset=preset)` of the whole generation batch, leave-one-out within each GRPO group, fitted
+    with the batch's task advantages (`task_advantages`) and `eos` (the sampling policy's end-of-sequence
+    probabilities, `rollout_end_of_sequence`), from the log-probs TRL has at rollout time (`rollout_logps`); None when
+    it has none. Row b's statistics depend on the other rows only. They are taken on-policy (no old_logp: the rollout
+    log-probs are the policy that sampled), where `Preset.weighted_returns` has no effect, so `sequence` and `reward`
+    get identical statistics here. Pinned by tests/trl/test_statistics.py."""
     logps = rollout_logps(batch)
     if logps is None or batch.get("ref_per_token_logps") is None:
         return None
     logp, mask = logps
     group = group_ids(trainer, logp.shape[0]).to(logp.device)
-    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group, preset=preset)
+    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group, preset=preset,
+                         task=task_advantages(trainer, batch, trainer.beta), eos=eos)
 
 
 def statistics_of(inputs: dict) -> KLStatistics | None:
@@ -284,23 +282,202 @@ def statistics_of(inputs: dict) -> KLStatistics | None:
     return KLStatistics(**{field: inputs.get(key) for field, key in ROLLOUT_STATISTICS_KEYS.items()})
 
 
+# What the reduced presets' statistics are fitted with (issue 20): TRL's advantages, the rows' prompt groups and the
+# policy's end-of-sequence probabilities, read from the forward passes TRL already runs.
+
+#: batch-dict key of each row's GRPO prompt-group id, stored at generation and carried by TRL's shuffle / split
+GROUP_KEY = "kl_adapters_group"
+
+
+def advantages_normalized(trainer: GRPOTrainer) -> bool:
+    """Whether TRL divided the advantages by a standard deviation over rows that include the row: scale_rewards
+    "group" or "batch" (GRPOConfig maps True / False to "group" / "none" in 1.14.0-1.16.0), or
+    multi_objective_aggregation "normalize_then_sum" (the summed reward divided by the batch's std, whatever
+    scale_rewards says). Pinned by tests/trl/test_task_and_eos.py::test_advantages_normalized."""
+    return trainer.scale_rewards != "none" or trainer.multi_objective_aggregation == "normalize_then_sum"
+
+
+def task_advantages(trainer: GRPOTrainer, inputs: dict, beta: float) -> TaskAdvantages | None:
+    """TRL's advantages as its loss uses them ([B], or [B, T] from a subclass), with `beta` its KL coefficient: the
+    policy loss's per-token descent weight is beta c - A before TRL's normaliser D, which the KL term shares
+    (`per_token_normaliser`). grpo / sapo divide the task term by each row's own length instead of D: the advantages
+    are still passed unscaled, since a per-row length factor on group-centred advantages would make the other rows'
+    task terms depend on the row's own reward (the statistics must be functions of the other rows).
+    None (the statistics then fit the KL term alone) with normalize_then_sum over several reward functions: each is
+    standardised within the group by its own std, so no single shift and scale removes the row's own rewards from
+    the other rows' advantages."""
+    if trainer.multi_objective_aggregation == "normalize_then_sum" and len(trainer.reward_funcs) > 1:
+        return None
+    return TaskAdvantages(inputs["advantages"], beta=beta, normalized=advantages_normalized(trainer))
+
+
+def eos_token_ids(trainer: GRPOTrainer) -> list[int]:
+    """The ids that end a completion: trl >= 1.14.2 stops generation and the completion mask at any of
+    `trainer.eos_token_ids` (the tokenizer's eos_token_id and the generation config's); 1.14.0 / 1.14.1 at the
+    tokenizer's eos_token_id alone."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    return sorted(set(ids)) if ids else [trainer._tokenizer.eos_token_id]
+
+
+def _head_problem(lm: torch.nn.Module) -> str | None:
+    """Why TRL's next-token logits of `lm` are not hidden @ W.T / temperature with W its output embedding's weight
+    (a bias, a logit scale, soft-capping, another head), or None when they are."""
+    head, config = lm.get_output_embeddings(), lm.config.get_text_config()
+    scaled = [k for k in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                          "logits_scaling") if getattr(config, k, None) not in (None, 1.0)]
+    if isinstance(head, torch.nn.Linear) and head.bias is None and not scaled:
+        return None
+    return (f"{type(lm).__name__}'s head is {type(head).__name__}"
+            f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}"
+            f"{f' scaled by {scaled}' if scaled else ''}")
+
+
+def _eos_gap(hidden: torch.Tensor, input_ids: torch.Tensor, weight: torch.Tensor, eos_ids: torch.Tensor,
+             width: int, temperature: float) -> torch.Tensor:
+    """[b, width] log sum_{e in eos_ids} exp(z_e) - z_y at the last `width` positions (detached, float32), with
+    z = hidden @ weight.T / temperature the next-token logits and y the next input id (hidden position i predicts
+    token i + 1). With TRL's log pi(y) there, log pi(EOS | y_<t) = gap + log pi(y): the EOS ids' rows of W and the
+    sampled tokens' rows, never the [b, width, V] logits."""
+    with torch.no_grad():
+        h = hidden[:, -width - 1:-1].float() / temperature
+        w = weight.detach()
+        z_y = torch.einsum("bth,bth->bt", h, w[input_ids[:, -width:]].float())
+        return torch.logsumexp(h @ w[eos_ids].float().T, -1) - z_y
+
+
+def _eos_weight(trainer: GRPOTrainer, lm: torch.nn.Module) -> torch.Tensor | None:
+    """The output projection W that `_eos_gap` reads, or None (warned once per trainer) for a head that is not
+    hidden @ W.T: the termination control variate is then left out, and the gradient stays exact."""
+    problem = _head_problem(lm)
+    if problem is None:
+        return lm.get_output_embeddings().weight
+    if not getattr(trainer, "_kl_adapters_eos_warned", False):
+        trainer._kl_adapters_eos_warned = True
+        logger.warning("kl-adapters: %s, so pi(EOS) is not read from the hidden state; the reduced presets run without "
+                       "their termination control variate (the gradient stays exact)", problem)
+    return None
+
+
+@dataclass
+class PolicyForward:
+    """One call of TRL's `_get_per_token_logps_and_entropies` on the policy, as `recording` saw it.
+
+    logps   its output's log-probs (out[0], TRL's tensor itself)
+    eos_gap [B, T] `_eos_gap` from the backbone's last hidden state (None: a head `_eos_weight` refuses)
+    hidden  the backbone's last hidden state with its graph, kept for `full` only
+    """
+
+    logps: torch.Tensor
+    eos_gap: torch.Tensor | None
+    hidden: torch.Tensor | None = None
+
+
+def recording(trainer: GRPOTrainer, forward, seen: list[PolicyForward], *, eos: bool = True,
+              keep_hidden: bool = False, first_only: bool = False):
+    """A stand-in for trainer._get_per_token_logps_and_entropies (the bound `forward`) that runs it unchanged and
+    appends a PolicyForward to `seen` for every call on the trainer's policy (first_only: the first call only, the
+    policy's forward inside _compute_loss), with its EOS gap when `eos` (and the head allows) and its hidden state
+    when keep_hidden. A forward hook on the backbone (transformers' `base_model`, run by TRL's forward in every
+    release: 1.14's full logits, 1.15+'s fused LM head) reads each chunk's last hidden state: no second forward,
+    and nothing of size [B, T, V]."""
+    eos_ids = eos_token_ids(trainer)
+
+    def call(*args, **kwargs):
+        model = args[0] if args else kwargs["model"]
+        if (first_only and seen) or not (first_only or model is trainer.model):
+            return forward(*args, **kwargs)
+        width = args[3] if len(args) > 3 else kwargs["logits_to_keep"]
+        lm = _causal_lm(model, trainer)
+        weight = _eos_weight(trainer, lm) if eos else None
+        gaps, hidden = [], []
+
+        def hook(module, hook_args, hook_kwargs, output):
+            h = _last_hidden(output)
+            if keep_hidden:
+                hidden.append(h)
+            if weight is not None:
+                ids = hook_kwargs["input_ids"] if hook_kwargs.get("input_ids") is not None else hook_args[0]
+                gaps.append(_eos_gap(h, ids, weight, torch.tensor(eos_ids, device=h.device), width,
+                                     trainer.temperature))
+
+        needed = weight is not None or keep_hidden
+        handle = lm.base_model.register_forward_hook(hook, with_kwargs=True) if needed else None
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if keep_hidden and len(hidden) != 1:
+            raise UnsupportedFrameworkError(f"kl_preset='full' expected one policy backbone call, saw {len(hidden)}")
+        seen.append(PolicyForward(out[0], torch.cat(gaps) if gaps else None, hidden[0] if hidden else None))
+        return out
+
+    return call
+
+
+def end_of_sequence(trainer: GRPOTrainer, forward: PolicyForward, completion_ids: torch.Tensor,
+                    mask: torch.Tensor) -> EndOfSequence | None:
+    """EndOfSequence(pi(EOS | y_<t) summed over `eos_token_ids` at TRL's temperature, y_t in them, horizon
+    max_completion_length) of one recorded forward, zero at padding; None without an EOS gap. Pinned by
+    tests/trl/test_task_and_eos.py::test_eos_probabilities_are_the_policys."""
+    if forward.eos_gap is None:
+        return None
+    real = mask != 0
+    prob = torch.exp(forward.eos_gap + forward.logps.detach().float()).clamp(max=1.0)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids(trainer), device=completion_ids.device))
+    return EndOfSequence(torch.where(real, prob, 0.0), is_eos & real, horizon=trainer.max_completion_length)
+
+
+def rollout_end_of_sequence(trainer: GRPOTrainer, batch: dict, seen: list[PolicyForward]) -> EndOfSequence | None:
+    """The end-of-sequence probabilities of the forward that produced the batch's old_per_token_logps (TRL's tensor
+    itself), None when TRL ran none (vLLM's sampling log-probs alone, or no rollout log-probs)."""
+    old = batch.get("old_per_token_logps")
+    match = [f for f in seen if f.logps is old]
+    if old is None or not match:
+        return None
+    return end_of_sequence(trainer, match[0], batch["completion_ids"], _completion_mask(batch))
+
+
+def statistics_inputs(trainer: GRPOTrainer, preset: str, inputs: dict, beta: float,
+                      eos: EndOfSequence | None) -> dict:
+    """The keyword arguments of kl_term / full_kl_surrogate_from_hidden that shape the preset's statistics at loss
+    time: the rows' rollout statistics (`statistics_of`) with this forward's eos, or, none stored, TRL's task
+    advantages, the rows' prompt groups (GROUP_KEY; a batch without it is one group) and eos for leave-one-out
+    over the micro-batch; {} for a preset without statistics."""
+    spec = get_preset(preset)
+    if not spec.uses_batch_statistics:
+        return {}
+    statistics = None if spec.needs_full_logits else statistics_of(inputs)
+    if statistics is not None:
+        return {"statistics": statistics, "eos": eos}
+    return {"task": task_advantages(trainer, inputs, beta), "group": inputs.get(GROUP_KEY), "eos": eos}
+
+
 def _generate_with_statistics(original, self, generation_batch):
-    """GRPOTrainer._generate_and_score_completions, plus the rollout statistics in its output when a reduced preset is
-    active (see module docstring); unchanged output otherwise."""
+    """GRPOTrainer._generate_and_score_completions, plus, when a preset with batch statistics is active, each row's
+    prompt group (GROUP_KEY) and the rollout statistics in its output (see module docstring); unchanged otherwise."""
     settings = settings_for(self)
-    if self.beta != 0.0 and _is_full(settings):
+    if self.beta == 0.0 or settings is None or not get_preset(settings.preset).uses_batch_statistics:
+        return original(self, generation_batch)
+    if _is_full(settings):
         beta, self.beta = self.beta, 0.0  # TRL skips its reference pass: `full` runs the reference at loss time
         try:
-            return original(self, generation_batch)
+            batch = original(self, generation_batch)
         finally:
             self.beta = beta
-    batch = original(self, generation_batch)
-    if self.beta == 0.0 or not _uses_statistics(settings):
-        return batch
-    statistics = rollout_statistics(self, batch, settings.preset)
-    if statistics is not None:
-        for field, key in ROLLOUT_STATISTICS_KEYS.items():
-            batch[key] = getattr(statistics, field)
+    else:
+        seen: list[PolicyForward] = []
+        self._get_per_token_logps_and_entropies = recording(self, self._get_per_token_logps_and_entropies, seen)
+        try:
+            batch = original(self, generation_batch)
+        finally:
+            del self._get_per_token_logps_and_entropies
+        statistics = rollout_statistics(self, batch, settings.preset, rollout_end_of_sequence(self, batch, seen))
+        if statistics is not None:
+            for field, key in ROLLOUT_STATISTICS_KEYS.items():
+                batch[key] = getattr(statistics, field)
+    rows = batch["completion_ids"]
+    batch[GROUP_KEY] = group_ids(self, rows.shape[0]).to(rows.device)
     return batch
 
 
@@ -340,14 +517,10 @@ def _causal_lm(model: torch.nn.Module, trainer: GRPOTrainer) -> torch.nn.Module:
 
 def _output_projection(lm: torch.nn.Module, temperature: float) -> torch.Tensor:
     """W / temperature such that TRL's next-token logits are hidden @ (W / temperature).T; refuses any other head."""
-    head, config = lm.get_output_embeddings(), lm.config.get_text_config()
-    scaled = [k for k in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                          "logits_scaling") if getattr(config, k, None) not in (None, 1.0)]
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None or scaled:
-        raise UnsupportedFrameworkError(
-            f"kl_preset='full' needs logits = hidden @ W.T; {type(lm).__name__}'s head is {type(head).__name__}"
-            f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}{f' scaled by {scaled}' if scaled else ''}")
-    return head.weight / temperature
+    problem = _head_problem(lm)
+    if problem is not None:
+        raise UnsupportedFrameworkError(f"kl_preset='full' needs logits = hidden @ W.T; {problem}")
+    return lm.get_output_embeddings().weight / temperature
 
 
 def _last_hidden(output) -> torch.Tensor:
@@ -373,10 +546,10 @@ def _reference_hidden(trainer: GRPOTrainer, input_ids, attention_mask) -> tuple[
 
 
 def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Tensor, logp: torch.Tensor, behaviour,
-             beta_seq, mask) -> torch.Tensor:
+             beta_seq, mask, options: dict) -> torch.Tensor:
     """beta_seq * full_kl_surrogate_from_hidden on this micro-batch (module docstring, preset `full`); logs metrics.
     logp: TRL's own log-probs of the completion (with their graph): one pass over the vocabulary chunks, the score
-    part of the gradient through them."""
+    part of the gradient through them; options: `statistics_inputs` (task advantages, groups, eos)."""
     if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
         raise UnsupportedFrameworkError("kl_preset='full' supports text-only models (multimodal inputs are not tested)")
     completion = inputs["completion_ids"]
@@ -387,7 +560,7 @@ def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Ten
     weight = _output_projection(_causal_lm(model, trainer), trainer.temperature)
     seq_kl = full_kl_surrogate_from_hidden(  # hidden state at position i predicts token i + 1
         policy_hidden[:, -horizon - 1:-1], weight, ref_hidden[:, -horizon - 1:-1], ref_weight, completion, mask,
-        old_logp=behaviour, logp=logp)
+        old_logp=behaviour, logp=logp, **options)
     totals = trainer.accelerator.reduce(torch.stack([
         seq_kl.detach() * mask.shape[0], mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device)]).float(),
         reduction="sum").tolist()
@@ -407,44 +580,27 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
         return original(self, model, inputs, return_outputs, num_items_in_batch)
     _check_code_path(self)
     full = _is_full(settings)
-    captured: list[torch.Tensor] = []
-    hidden: list[torch.Tensor] = []
-    forward = self._get_per_token_logps_and_entropies
-
-    def capture(*args, **kwargs):  # the first forward inside _compute_loss is the policy's, with gradient
-        if captured or not full:
-            out = forward(*args, **kwargs)
-        else:  # `full` also keeps the backbone's last hidden state of this forward
-            policy = args[0] if args else kwargs["model"]
-            hook = _causal_lm(policy, self).base_model.register_forward_hook(
-                lambda module, inp, output: hidden.append(_last_hidden(output)))
-            try:
-                out = forward(*args, **kwargs)
-            finally:
-                hook.remove()
-            if len(hidden) != 1:
-                raise UnsupportedFrameworkError(f"kl_preset='full' expected one policy backbone call, saw {len(hidden)}")
-        if not captured:
-            captured.append(out[0])
-        return out
-
+    seen: list[PolicyForward] = []  # the first forward inside _compute_loss is the policy's, with gradient
     beta, self.beta = self.beta, 0.0  # TRL skips its own KL term (and its `kl` metric) for this call
-    self._get_per_token_logps_and_entropies = capture
+    self._get_per_token_logps_and_entropies = recording(
+        self, self._get_per_token_logps_and_entropies, seen, eos=get_preset(settings.preset).uses_batch_statistics,
+        keep_hidden=full, first_only=True)
     try:
         loss = original(self, model, inputs, return_outputs, num_items_in_batch)
     finally:
         self.beta = beta
         del self._get_per_token_logps_and_entropies
-    logp = captured[0]
+    logp = seen[0].logps
     mask = _completion_mask(inputs)
     behaviour = behaviour_logps(inputs, logp)
     beta_seq = beta * mask.shape[0] / per_token_normaliser(self, inputs, mask)
+    options = statistics_inputs(self, settings.preset, inputs, beta,
+                                end_of_sequence(self, seen[0], inputs["completion_ids"], mask))
     if full:
-        return loss + _full_kl(self, model, inputs, hidden[0], logp, behaviour, beta_seq, mask).to(loss.dtype)
+        return loss + _full_kl(self, model, inputs, seen[0].hidden, logp, behaviour, beta_seq, mask, options).to(
+            loss.dtype)
     ref = inputs["ref_per_token_logps"]
-    statistics = statistics_of(inputs) if _uses_statistics(settings) else None  # None: leave-one-out over the rows
-    term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip,
-                   statistics=statistics)
+    term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip, **options)
     kl = term.surrogate(beta_seq)
     _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)

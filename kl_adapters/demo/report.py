@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -32,6 +33,71 @@ def ratios(summary: dict, baseline: str, candidate: str) -> list[float]:
     """Per-seed KL(pi||pi*) ratio baseline / candidate at the final step (the issue's 5x target)."""
     b, c = summary[baseline]["kl_opt"]["final_per_seed"], summary[candidate]["kl_opt"]["final_per_seed"]
     return [x / y for x, y in zip(b, c)]
+
+
+def wilcoxon_signed_rank(differences: list[float]) -> tuple[float, float, int]:
+    """(W+, exact two-sided p, n) of the Wilcoxon signed-rank test of a zero median of paired differences.
+
+    Zero differences are dropped; tied |d| get their average rank; the null distribution of W+ (the rank sum of the
+    positive differences) is enumerated exactly over the 2^n equally likely sign patterns, by dynamic programming over
+    doubled ranks (so average ranks stay integers). p = min(1, 2 min(P(W+ <= w), P(W+ >= w))). Pinned by
+    tests/trl/test_demo.py::test_wilcoxon_signed_rank.
+    """
+    d = [x for x in differences if x != 0]
+    n = len(d)
+    if n == 0:
+        return 0.0, 1.0, 0
+    order = sorted(range(n), key=lambda i: abs(d[i]))
+    doubled = [0] * n  # 2 x rank
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and abs(d[order[j + 1]]) == abs(d[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            doubled[order[k]] = i + j + 2  # 2 x the average of ranks i + 1 .. j + 1
+        i = j + 1
+    counts = [1] + [0] * sum(doubled)  # counts[s]: sign patterns whose positive doubled ranks sum to s
+    for r in doubled:
+        counts = [c + (counts[s - r] if s >= r else 0) for s, c in enumerate(counts)]
+    w2 = sum(r for r, x in zip(doubled, d) if x > 0)
+    total = 2**n
+    below, above = sum(counts[: w2 + 1]) / total, sum(counts[w2:]) / total
+    return w2 / 2, min(1.0, 2 * min(below, above)), n
+
+
+def paired_comparison(summary: dict, candidate: str, reference: str, metric: str = "kl_opt") -> dict:
+    """The final-step `metric` of two configurations paired by seed: per-seed values, the geometric mean of
+    candidate / reference, and the Wilcoxon signed-rank test on log(candidate) - log(reference) (`wilcoxon_signed_rank`;
+    the seeds share the initial policy and the reward, not the sampled batches)."""
+    c, r = summary[candidate][metric]["final_per_seed"], summary[reference][metric]["final_per_seed"]
+    logs = [math.log(x) - math.log(y) for x, y in zip(c, r)]
+    w, p, n = wilcoxon_signed_rank(logs)
+    return {"candidate": candidate, "reference": reference, "metric": metric, "candidate_per_seed": c,
+            "reference_per_seed": r, "geometric_mean_ratio": math.exp(statistics.fmean(logs)),
+            "candidate_lower_on": sum(x < 0 for x in logs), "seeds": len(logs), "wilcoxon_w_plus": w,
+            "wilcoxon_p_two_sided": p, "wilcoxon_n": n}
+
+
+def seeds_text(summary: dict, comparison: dict | None) -> str:
+    """Final KL(pi || pi*) per configuration over seeds (mean +- standard error, geometric mean, per seed) and the
+    paired comparison, as text."""
+    width = max(14, *(len(c) + 2 for c in summary))
+    lines = ["Final KL(pi||pi*) over seeds: mean +- standard error (std / sqrt(seeds)), geometric mean, per seed",
+             f"{'configuration':<{width}}{'mean +- se':>22}{'geo. mean':>11}  per seed"]
+    for config, row in summary.items():
+        finals = row["kl_opt"]["final_per_seed"]
+        se = _std(finals) / math.sqrt(len(finals))
+        geo = math.exp(statistics.fmean(math.log(x) for x in finals))
+        lines.append(f"{config:<{width}}{f'{statistics.fmean(finals):.4f} +- {se:.4f}':>22}{geo:>11.4f}  "
+                     + " ".join(f"{x:.4f}" for x in finals))
+    if comparison:
+        k = comparison
+        lines.append(f"{k['candidate']} vs {k['reference']}, paired by seed: geometric-mean ratio "
+                     f"{k['geometric_mean_ratio']:.3f}, lower on {k['candidate_lower_on']} of {k['seeds']} seeds; "
+                     f"Wilcoxon signed-rank on log KL (exact, two-sided): W+ = {k['wilcoxon_w_plus']:g}, "
+                     f"n = {k['wilcoxon_n']}, p = {k['wilcoxon_p_two_sided']:.3g}")
+    return "\n".join(lines)
 
 
 def table(summary: dict, title: str) -> str:

@@ -196,6 +196,11 @@ def _run(bench, args, settings, command, chosen, problem, out, say) -> int:
         text += (f"\n\nKL(pi||pi*) at the final step, {bench.baseline} / {bench.candidate}, per seed: "
                  + ", ".join(f"{r:.1f}x" for r in ratio) + f"   (target >= {bench.target:g}x on every seed: "
                  f"{'met' if min(ratio) >= bench.target else 'NOT met'})")
+    floor = bench.candidate + "-plain"  # the unreduced form of the candidate preset, the floor it must beat
+    comparison = (report.paired_comparison(summary, bench.candidate, floor)
+                  if args.seeds >= 2 and {bench.candidate, floor} <= set(chosen) else None)
+    if args.seeds >= 2:
+        text += "\n\n" + report.seeds_text(summary, comparison)
     text += "\n\nconfigurations:\n" + "\n".join(f"  {c}: {bench.configs[c]}" for c in chosen)
     text += (f"\n\ntraining wall time {elapsed:.0f} s ({args.workers} workers); seconds per run: "
              + ", ".join(f"{c} {sum(runtimes[c]) / len(runtimes[c]):.0f}" for c in chosen))
@@ -208,7 +213,8 @@ def _run(bench, args, settings, command, chosen, problem, out, say) -> int:
         "configurations": {c: bench.configs[c] for c in chosen}, "gradient_check": [asdict(r) for r in check_rows],
         "wall_time_s": elapsed, "runtime_s": runtimes, "summary": summary,
         "ratio": {"baseline": bench.baseline, "candidate": bench.candidate, "per_seed": ratio,
-                  "target": bench.target}, "histories": histories, "framework_metrics": extras})
+                  "target": bench.target}, "paired_comparison": comparison, "histories": histories,
+        "framework_metrics": extras})
     report.plot(histories, out / f"{bench.name}.png", title)
     (out / f"{bench.name}.txt").write_text(f"$ {command}\n" + (f"{check_text}\n\n" if check_text else "") + f"{text}\n")
     say(f"\nplot: {out / bench.name}.png   table: {bench.name}.txt   every figure: {bench.name}.json   "

@@ -91,6 +91,64 @@ def policy_logps(trainer, batch):
                                                       batch["completion_ids"].size(1))[0]
 
 
+def completion_logits(lm, batch, temperature):
+    """[B, T, V] next-token logits / temperature of the completion tokens (the model's own, unfused forward)."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    horizon = batch["completion_ids"].shape[1]
+    return lm(input_ids=input_ids, attention_mask=attention_mask).logits[:, -horizon - 1:-1] / temperature
+
+
+def eos_ids_by_hand(trainer):
+    """The ids that end a completion, read from TRL's processing class and the model's generation config: trl >= 1.14.2
+    stops at the tokenizer's eos and every generation-config eos id; 1.14.0 / 1.14.1 at the tokenizer's alone."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    ids = {trainer.processing_class.eos_token_id}
+    config_ids = trainer.model.generation_config.eos_token_id
+    if Version(version("trl")) >= Version("1.14.2") and config_ids is not None:
+        ids |= {config_ids} if isinstance(config_ids, int) else set(config_ids)
+    return sorted(ids)
+
+
+def eos_by_hand(trainer, batch):
+    """EndOfSequence of the trainer's current policy on the batch from a separate full-logits forward:
+    softmax(logits / temperature) summed over the EOS ids (float64), y_t among them, horizon max_completion_length."""
+    from kl_adapters import EndOfSequence
+
+    ids = eos_ids_by_hand(trainer)
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        prob = torch.softmax(completion_logits(trainer.model, batch, trainer.temperature).double(), -1)[..., ids]
+    is_eos = torch.isin(batch["completion_ids"], torch.tensor(ids)) & mask
+    return EndOfSequence(torch.where(mask, prob.sum(-1), 0.0).float(), is_eos, trainer.max_completion_length)
+
+
+def groups_by_hand(batch):
+    """[B] prompt ids of the batch's rows: rows with the same prompt tokens are one GRPO group (distinct prompts)."""
+    return torch.unique(batch["prompt_ids"], dim=0, return_inverse=True)[1]
+
+
+def same_groups(a, b):
+    """Whether two [B] id tensors partition the rows alike (labels may differ)."""
+    return torch.equal(a[:, None] == a[None, :], b[:, None] == b[None, :])
+
+
+def statistics_inputs_by_hand(trainer, batch, preset, beta):
+    """What the reduced presets' statistics are fitted with, from the batch by hand: TRL's advantages with its beta
+    (normalized unless scale_rewards="none"), the prompt groups and the policy's EOS probabilities; {} for a preset
+    without statistics."""
+    from kl_adapters import TaskAdvantages
+    from kl_adapters.presets import get_preset
+
+    if not get_preset(preset).uses_batch_statistics:
+        return {}
+    task = TaskAdvantages(batch["advantages"], beta, normalized=trainer.args.scale_rewards != "none")
+    return {"task": task, "group": groups_by_hand(batch), "eos": eos_by_hand(trainer, batch)}
+
+
 def flat_grad(trainer, loss_fn):
     """Flattened parameter gradient of loss_fn() (a fresh backward)."""
     trainer.model.zero_grad(set_to_none=True)

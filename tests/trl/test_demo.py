@@ -100,20 +100,34 @@ def test_harness_with_the_reference_loss():
 def test_demo_command_writes_table_plot_and_json(tmp_path):
     cli = Path(sys.executable).with_name("kl-adapters")
     out = subprocess.run([str(cli), "demo", "--steps", "2", "--seeds", "2", "--group", "8", "--workers", "2",
-                          "--configs", "sequence,trl-default", "--out", str(tmp_path), "--horizon", "2"],
+                          "--configs", "sequence,trl-default,sequence-plain", "--out", str(tmp_path), "--horizon", "2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     # the terminal: the check, one line per run, the tables, the paths; the frameworks' output is in the log
     assert out.stderr == "" and "'loss'" not in out.stdout and "Exact gradient check" in out.stdout
-    assert sum("seed" in line and "->" in line for line in out.stdout.splitlines()) == 4
+    assert sum("seed" in line and "->" in line for line in out.stdout.splitlines()) == 6
     assert "'loss'" in (tmp_path / "demo_trl_quick.log").read_text()  # TRL's log dicts
     doc = json.loads((tmp_path / "demo_trl_quick.json").read_text())
     assert doc["command"].startswith("kl-adapters demo --steps 2")
-    assert set(doc["histories"]) == {"sequence", "trl-default"} and len(doc["histories"]["sequence"]) == 2
-    assert len(doc["ratio"]["per_seed"]) == 2
+    assert set(doc["histories"]) == {"sequence", "trl-default", "sequence-plain"}
+    assert len(doc["histories"]["sequence"]) == 2 and len(doc["ratio"]["per_seed"]) == 2
+    comparison = doc["paired_comparison"]  # sequence vs its floor, paired by seed
+    assert comparison["reference"] == "sequence-plain" and comparison["seeds"] == 2
+    assert "Wilcoxon signed-rank on log KL" in (tmp_path / "demo_trl_quick.txt").read_text()
     assert (tmp_path / "demo_trl_quick.png").stat().st_size > 10_000
     assert "trl-default / sequence" in (tmp_path / "demo_trl_quick.txt").read_text()
-    check_gradient_rows(doc["gradient_check"], unbiased=["sequence"])
+    check_gradient_rows(doc["gradient_check"], unbiased=["sequence", "sequence-plain"])
+
+
+def test_wilcoxon_signed_rank():
+    """Exact two-sided p-values: 5 positive differences give 2 / 2^5; textbook n = 8 example (W+ = 24, p = 0.461 =
+    118 / 256 sign patterns at least as extreme); ties take average ranks; zeros are dropped."""
+    from kl_adapters.demo.report import wilcoxon_signed_rank
+
+    assert wilcoxon_signed_rank([1, 2, 3, 4, 5]) == (15.0, 0.0625, 5)
+    assert wilcoxon_signed_rank([-1, 2, -3, 4, 5, 6, 7, -8]) == (24.0, 118 / 256, 8)
+    assert wilcoxon_signed_rank([0.5, -0.5, 1, 1, 2, 0]) == (13.5, 0.1875, 5)
+    assert wilcoxon_signed_rank([0, 0]) == (0.0, 1.0, 0)
 
 
 def test_command_line_settings():

@@ -3,27 +3,21 @@
 Identity pinned (loss types, on- and off-policy, LoRA):
     grad[trainer loss, flag "full", beta]  ==  grad[trainer loss, beta = 0]
         + grad full_kl_surrogate(logits / temperature, ref_logits / temperature, completion_ids, mask,
-                                 beta * B / D, old_logp)
+                                 beta * B / D, old_logp, task, group, eos)
 with the logits of both models computed here independently (the models' own forward, full [B, T, V] logits), so the
-adapter's hidden-state capture, position shift, temperature and reference choice are all checked; full_kl_surrogate
-itself is pinned exact by tests/core/test_full_vocab.py. Flag off stays bit-identical.
+adapter's hidden-state capture, position shift, temperature and reference choice are all checked, and task / group /
+eos by hand (conftest.statistics_inputs_by_hand); full_kl_surrogate itself is pinned exact by
+tests/core/test_full_vocab.py. Flag off stays bit-identical.
 """
 
 import pytest
 import torch
-from conftest import flat_grad, make_trainer, one_batch, perturb, policy_logps
+from conftest import (completion_logits, flat_grad, make_trainer, one_batch, perturb, policy_logps,
+                      statistics_inputs_by_hand)
 from test_grpo_gradients import assert_close, set_flag, trainer_grad
 
 from kl_adapters.adapters import trl as adapter
 from kl_adapters.full_vocab import full_kl_surrogate
-
-
-def completion_logits(lm, batch, temperature):
-    """[B, T, V] next-token logits / temperature of the completion tokens (the model's own, unfused forward)."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    horizon = batch["completion_ids"].shape[1]
-    return lm(input_ids=input_ids, attention_mask=attention_mask).logits[:, -horizon - 1:-1] / temperature
 
 
 def reference_logits(trainer, batch):
@@ -35,7 +29,8 @@ def reference_logits(trainer, batch):
 
 
 def expected_grad(trainer, batch, beta=0.1):
-    """grad(task loss, beta = 0) + grad(full_kl_surrogate on full logits of the same batch)."""
+    """grad(task loss, beta = 0) + grad(full_kl_surrogate on full logits of the same batch, task / group / eos by
+    hand)."""
     task = trainer_grad(trainer, batch, "off", beta=0.0)
     mask = batch["completion_mask"]
     old = adapter.behaviour_logps(batch, None)
@@ -43,7 +38,7 @@ def expected_grad(trainer, batch, beta=0.1):
     ref = reference_logits(trainer, batch)
     kl = flat_grad(trainer, lambda: full_kl_surrogate(
         completion_logits(trainer.model, batch, trainer.temperature), ref, batch["completion_ids"], mask,
-        beta=beta_seq, old_logp=old))
+        beta=beta_seq, old_logp=old, **statistics_inputs_by_hand(trainer, batch, "full", beta)))
     assert float(kl.abs().max()) > 1e-3 * float(task.abs().max())  # the KL part is not negligible: the check bites
     return task + kl
 

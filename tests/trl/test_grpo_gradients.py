@@ -2,14 +2,17 @@
 
 Identity pinned (every loss_type, on- and off-policy, LoRA, vLLM importance sampling, GMPO):
     grad[trainer loss, flag on, beta]  ==  grad[trainer loss, beta = 0]
-                                           + grad kl_surrogate(logp, ref, mask, preset, beta * B / D, old_logp)
-with D TRL's per-token normaliser of the policy loss (kl_adapters.adapters.trl.per_token_normaliser). That D is TRL's
-own is pinned independently: preset "token" reproduces TRL's native KL gradient (use_bias_correction_kl=True) exactly.
+                                           + grad kl_surrogate(logp, ref, mask, preset, beta * B / D, old_logp,
+                                                               task, group, eos)
+with D TRL's per-token normaliser of the policy loss (kl_adapters.adapters.trl.per_token_normaliser) and, for the
+presets with batch statistics, task / group / eos computed by hand from the batch (conftest.statistics_inputs_by_hand:
+TRL's advantages and beta, the rows' prompts, pi(EOS) from a separate full-logits forward). That D is TRL's own is
+pinned independently: preset "token" reproduces TRL's native KL gradient (use_bias_correction_kl=True) exactly.
 """
 
 import pytest
 import torch
-from conftest import flat_grad, make_trainer, one_batch, perturb, policy_logps
+from conftest import flat_grad, make_trainer, one_batch, perturb, policy_logps, statistics_inputs_by_hand
 
 from kl_adapters import kl_surrogate
 from kl_adapters.adapters import trl as adapter
@@ -29,13 +32,14 @@ def trainer_grad(trainer, batch, preset, beta=0.1):
 
 
 def expected_grad(trainer, batch, preset, beta=0.1):
-    """grad(task loss, beta = 0) + grad(kl_surrogate on the same tensors)."""
+    """grad(task loss, beta = 0) + grad(kl_surrogate on the same tensors, with task / group / eos by hand)."""
     task = trainer_grad(trainer, batch, "off", beta=0.0)
     mask = batch["completion_mask"]
     old = adapter.behaviour_logps(batch, batch["ref_per_token_logps"])
     beta_seq = beta * mask.shape[0] / adapter.per_token_normaliser(trainer, batch, mask)
+    options = statistics_inputs_by_hand(trainer, batch, preset, beta)
     kl = flat_grad(trainer, lambda: kl_surrogate(policy_logps(trainer, batch), batch["ref_per_token_logps"], mask,
-                                                 preset=preset, beta=beta_seq, old_logp=old))
+                                                 preset=preset, beta=beta_seq, old_logp=old, **options))
     return task + kl
 
 
@@ -166,8 +170,9 @@ def test_gmpo(model_dir, dataset):
         kl_adapters.disable()
         trainer.beta = 0.0
         task = flat_grad(trainer, lambda: trainer.compute_loss(trainer.model, dict(batch)))
+        options = statistics_inputs_by_hand(trainer, batch, "sequence", 0.1)
         kl = flat_grad(trainer, lambda: kl_surrogate(policy_logps(trainer, batch), batch["ref_per_token_logps"], mask,
-                                                     beta=0.1 / 8))
+                                                     beta=0.1 / 8, **options))
         assert_close(got, task + kl)
     finally:
         kl_adapters.disable()

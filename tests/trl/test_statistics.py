@@ -2,10 +2,12 @@
 
 Pinned here, on real TRL batches:
 1. where TRL has the policy's log-probs of the whole generation batch at rollout time (num_iterations = 2: old log-probs),
-   the batch carries kl_statistics(old, ref, mask, group = prompt ids) of the WHOLE generation batch, and TRL's own
-   shuffle + split into micro-batches keeps each row's statistics with the row;
+   the batch carries kl_statistics(old, ref, mask, group = prompt ids, task = TRL's advantages, eos = the rollout
+   policy's pi(EOS)) of the WHOLE generation batch, and TRL's own shuffle + split into micro-batches keeps each row's
+   statistics (and prompt-group id) with the row;
 2. the trainer's gradient on such a micro-batch is the task gradient plus the gradient of
-   kl_surrogate(..., statistics = those rows' statistics) -- not of the micro-batch's own leave-one-out statistics;
+   kl_surrogate(..., statistics = those rows' statistics, eos = the current policy's pi(EOS)) -- not of the
+   micro-batch's own leave-one-out statistics;
 3. without rollout log-probs (TRL's on-policy default) the batch carries none and the loss uses the micro-batch's rows;
 4. flag off: the generation batch is TRL's, key for key.
 Units: which rollout log-probs are used (old, vLLM's, NaN handling) and the GRPO group ids of a process's slice.
@@ -13,13 +15,14 @@ Units: which rollout log-probs are used (old, vLLM's, NaN handling) and the GRPO
 
 import pytest
 import torch
-from conftest import flat_grad, make_trainer, perturb, policy_logps
+from conftest import (eos_by_hand, flat_grad, groups_by_hand, make_trainer, perturb, policy_logps, same_groups,
+                      statistics_inputs_by_hand)
 from test_grpo_gradients import assert_close, trainer_grad
 
-from kl_adapters import kl_statistics, kl_surrogate
+from kl_adapters import TaskAdvantages, kl_statistics, kl_surrogate
 from kl_adapters.adapters import trl as adapter
 
-KEYS = tuple(adapter.ROLLOUT_STATISTICS_KEYS.values())
+KEYS = (*adapter.ROLLOUT_STATISTICS_KEYS.values(), adapter.GROUP_KEY)
 
 
 def generation_and_micro_batches(trainer):
@@ -57,11 +60,15 @@ def off_policy(model_dir, dataset):
 def test_statistics_are_leave_one_out_over_the_whole_generation_batch(off_policy):
     trainer, whole, micro = off_policy
     assert whole["old_per_token_logps"] is not None and len(micro) == 2
+    assert same_groups(whole[adapter.GROUP_KEY], groups_by_hand(whole)) and whole[adapter.GROUP_KEY].max() == 3
+    eos = eos_by_hand(trainer, whole)  # the policy has not moved since the rollout
+    assert eos.is_eos.any()
     expected = kl_statistics(whole["old_per_token_logps"], whole["ref_per_token_logps"], whole["completion_mask"],
-                             group=torch.arange(16) // 4)
+                             group=groups_by_hand(whole), task=TaskAdvantages(whole["advantages"], 0.1, True), eos=eos)
     for field, key in adapter.ROLLOUT_STATISTICS_KEYS.items():
-        assert torch.equal(whole[key], getattr(expected, field))
-    assert float(whole[adapter.ROLLOUT_STATISTICS_KEYS["baseline"]].abs().max()) > 0  # a real baseline from the others
+        torch.testing.assert_close(whole[key], getattr(expected, field), rtol=1e-4, atol=1e-6)
+    for field in ("baseline", "eos_coef", "past_coef"):  # real statistics from the others, the EOS term included
+        assert float(whole[adapter.ROLLOUT_STATISTICS_KEYS[field]].abs().max()) > 0, field
 
 
 @pytest.mark.compat
@@ -83,8 +90,9 @@ def test_statistics_survive_trl_shuffle_and_split(off_policy):
 @pytest.mark.compat
 @pytest.mark.parametrize("preset", ["sequence", "reward"])
 def test_gradient_uses_the_rows_rollout_statistics(off_policy, preset):
-    """grad = task + grad kl_surrogate(..., statistics = the micro-batch rows' stored statistics), and that differs
-    from the micro-batch's own leave-one-out statistics (so the stored ones are what the loss used)."""
+    """grad = task + grad kl_surrogate(..., statistics = the micro-batch rows' stored statistics, eos = the current
+    policy's), and that differs from the micro-batch's own leave-one-out statistics (so the stored ones are what the
+    loss used)."""
     trainer, _, micro = off_policy
     batch = micro[0]
     mask = batch["completion_mask"]
@@ -97,17 +105,19 @@ def test_gradient_uses_the_rows_rollout_statistics(off_policy, preset):
 
     got = trainer_grad(trainer, batch, preset)
     task = trainer_grad(trainer, batch, "off", beta=0.0)
-    assert_close(got, task + kl_grad(statistics=adapter.statistics_of(batch)))
-    assert float((got - task - kl_grad()).abs().max()) > 1e-3 * float(got.abs().max())
+    assert_close(got, task + kl_grad(statistics=adapter.statistics_of(batch), eos=eos_by_hand(trainer, batch)))
+    own = kl_grad(**statistics_inputs_by_hand(trainer, batch, preset, 0.1))
+    assert float((got - task - own).abs().max()) > 1e-3 * float(got.abs().max())
 
 
 def test_on_policy_default_stores_nothing_and_uses_the_micro_batch(model_dir, dataset):
     trainer = make_trainer(model_dir, dataset)
     perturb(trainer.model, seed=12)
     whole, micro = generation_and_micro_batches(trainer)
-    assert "old_per_token_logps" not in whole and not any(k in whole for k in KEYS)
+    assert "old_per_token_logps" not in whole and not any(k in whole for k in KEYS[:-1])
     batch = micro[0]
     assert adapter.statistics_of(batch) is None  # the loss computes leave-one-out over the micro-batch's rows
+    assert same_groups(batch[adapter.GROUP_KEY], groups_by_hand(batch))  # ... within its prompt groups
 
 
 @pytest.mark.compat

@@ -33,11 +33,29 @@ steps_per_generation not dividing gradient_accumulation_steps; vLLM's ``sampling
 (``ROLLOUT_STATISTICS_KEYS``), which TRL's own ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice with
 the rest into micro-batches; the loss uses the micro-batch's rows. Otherwise (TRL's on-policy default, where it skips
 that forward pass) no forward pass is added: the statistics are leave-one-out over the micro-batch's own rows at loss
-time (all groups mixed: after TRL's shuffle a micro-batch rarely holds two rows of one prompt). With TRL's defaults
-(per_device_train_batch_size = num_generations = 8, gradient_accumulation_steps = 1) that micro-batch IS the whole
-generation batch, one group of 8. Either way row b's statistics are functions of the other rows only, so the expected
-gradient is unchanged (tests/core/test_batch_exactness.py; the trainer identity with the stored statistics:
+time, within each prompt's group (``GROUP_KEY``, stored at generation and carried by TRL's shuffle / split like the
+statistics; a row with fewer than two other rows of its prompt in the micro-batch gets the plain form). With TRL's
+defaults (per_device_train_batch_size = num_generations = 8, gradient_accumulation_steps = 1) that micro-batch IS the
+whole generation batch, one group of 8. Either way row b's statistics are functions of the other rows only, so the
+expected gradient is unchanged (tests/core/test_batch_exactness.py; the trainer identity with the stored statistics:
 tests/trl/test_statistics.py).
+
+The statistics are fitted to the gradient TRL takes, task + KL (kl_adapters.reductions), with, wherever they are
+computed (loss time, rollout time, ``full``):
+  * ``TaskAdvantages(inputs["advantages"], beta, normalized)`` (`task_advantages`): TRL's advantages as its loss uses
+    them, beta the GRPOConfig beta (the policy loss's per-token weight is beta c - A before the normaliser D the KL
+    term shares), normalized unless scale_rewards = "none" under multi_objective_aggregation "sum_then_normalize";
+    None for "normalize_then_sum" over several reward functions (no single shift and scale removes a row's own rewards
+    from the other rows' advantages there); the rows' prompt ids as ``group`` (GRPO normalises per prompt);
+  * ``EndOfSequence(pi(EOS | y_<t), y_t is EOS, max_completion_length)`` (`end_of_sequence`), the termination control
+    variate's input, over every id TRL stops at (`eos_token_ids`). pi(EOS) is read from the policy forward TRL runs
+    anyway: a forward hook on the backbone (transformers' ``base_model``, which TRL's forward runs in every release:
+    1.14.x's full logits, 1.15+'s fused LM head, `full`'s hidden-state path) takes the last hidden state h and
+    computes log pi(EOS) = logsumexp_e(h W_e / T) - h W_y / T + log pi(y), with W_e the EOS ids' rows of the output
+    projection, W_y the sampled token's row and log pi(y) TRL's own log-prob (`recording`, `_eos_gap`): no second
+    forward, nothing of size [B, T, V]. At loss time it is the current policy's (exactness needs it); at rollout, the
+    forward that produced old_per_token_logps (statistics only; none when TRL runs no old-policy forward). A head
+    that is not hidden @ W.T (bias, logit scale, soft-capping) gets no termination term, with a warning.
 
 Metrics: TRL's ``kl`` keeps its meaning (token-mean of k3, times pi/pi_old when use_bias_correction_kl); added beside
 it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t), ``kl_adapters/grad_weight_gap``
@@ -55,8 +73,9 @@ the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL
     beta=beta_seq, old_logp=behaviour_logp, logp=per_token_logps)`` (W the output projection): chunked over tokens,
     so [B, T, V] logits of neither model are materialised; TRL's own per-token log-probs (with their graph) carry the
     score part of the gradient, so each chunk's logits are computed once. beta_seq and the behaviour log-probs are
-    those of the other presets; the baseline is leave-one-out over the micro-batch's rows (rollout-time statistics would need the exact KL_t of the
-    whole generation batch, i.e. the very reference pass this preset removes from generation).
+    those of the other presets; the statistics are leave-one-out over the micro-batch's rows within their prompt
+    groups, with the task advantages and pi(EOS) from the same hidden state (rollout-time statistics would need the
+    exact KL_t of the whole generation batch, i.e. the very reference pass this preset removes from generation).
   * metrics: ``kl`` = token mean of the (importance-weighted) exact KL_t, ``kl_adapters/seq_kl`` its per-sequence sum.
   Refused (clear error): kl_is_clip (the estimator applies exact weights), models whose logits are not
   hidden @ W.T (bias, logit scale, soft-capping), multimodal inputs. Pinned by tests/trl/test_full.py.

@@ -15,18 +15,27 @@ while ActorPPOTrainer is *constructed* (its __init__ barriers and builds a repla
 and is undone before training; its CPUStrategy (one process, dp size 1) stands in for DeepspeedStrategy.
 
 What runs, per harness step (`kl_adapters.demo.harness.train` samples G completions of a tiny GPT-2 and takes the Adam
-step): **openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step** on one Experience holding the whole group
-(sequences = prompt + completion, action_mask, action_log_probs = the sampling policy's log-probs (on-policy: PPO's
-ratio is 1, its clip never acts), base_action_log_probs = pi_ref's, advantages = r_i - mean_j r_j on every token),
-with loss_batch_info from OpenRLHF's own iter_grad_accum_global_norm (what ppo_train passes; one micro-batch = one
-optimizer step, gas 1). training_step runs OpenRLHF's Actor.forward around the harness's model, PolicyLoss (ppo,
-token-mean), compute_approx_kl through ppo_actor's binding, aggregate_loss and `loss = actor_loss + kl_loss * kl_ctl`,
+step): the group becomes an Experience as OpenRLHF's RemoteExperienceMaker.make_experience leaves it (sequences =
+prompt + completion, action_mask, action_log_probs = the sampling policy's log-probs, base_action_log_probs = pi_ref's,
+rewards, a zero KL: the loss path), and **openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.
+compute_advantages_and_returns** makes its advantages (dr_grpo: r_i - mean_j r_j on every token, the harness's) -- and,
+under a reduced kl-adapters preset, the adapter's rollout statistics, fitted with those advantages and with pi(EOS |
+y_<t) of the sampling policy, which the harness's forward supplies (harness.batch_logps_and_eos) the way OpenRLHF's
+rollout forward carries it to the experience maker (on action_log_probs, openrlhf_statistics.LogProbsWithEos). The
+maker's KL controller holds the previous step's kl_ctl (OpenRLHF's holds the coefficient set before the rollout; the
+harness's per-step kl_ctl below depends on the step's own token count). Then
+**openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step** on that one Experience (on-policy: PPO's ratio is 1,
+its clip never acts), with loss_batch_info from OpenRLHF's own iter_grad_accum_global_norm (what ppo_train passes; one
+micro-batch = one optimizer step, gas 1). training_step runs OpenRLHF's Actor.forward around the harness's model (where
+the adapter reads the current policy's pi(EOS | y_<t)), PolicyLoss (ppo, token-mean), compute_approx_kl through
+ppo_actor's binding, aggregate_loss and `loss = actor_loss + kl_loss * kl_ctl`,
 then calls strategy.backward(loss): the strategy here records that loss instead of stepping, and the harness
 backpropagates it (strategy.optimizer_step is a no-op; the optimizer is the harness's Adam, as for every framework in
 this benchmark). Arguments come from OpenRLHF's real CLI parsing (train_ppo_ray run as __main__ up to get_strategy,
-tests/openrlhf/openrlhf_harness.cli_args) with --algo.kl.use_loss --algo.kl.estimator k3; the kl-adapters
-configuration adds the adapter's flag --algo.kl.preset sequence (parsed by ``python -m kl_adapters.adapters.
-openrlhf_cli``'s main, which yields args.algo.kl.preset as OpenRLHF carries it into its actors).
+tests/openrlhf/openrlhf_harness.cli_args) with --algo.kl.use_loss --algo.kl.estimator k3 --rollout.max_new_tokens
+<the problem's horizon>; the kl-adapters configuration adds the adapter's flag --algo.kl.preset sequence (parsed by
+``python -m kl_adapters.adapters.openrlhf_cli``'s main, which yields args.algo.kl.preset as OpenRLHF carries it into
+its actors).
 
 Beta (kl_ctl, = --algo.kl.init_coef with OpenRLHF's fixed KL controller), with beta the objective's coefficient, G the
 group size and N_tok the step's completion-token count (OpenRLHF's batch_num_tokens):
@@ -75,7 +84,7 @@ SPECS: dict[str, tuple[list[str], str | None, str]] = {
 CONFIGS = {k: v[2] for k, v in SPECS.items()}
 
 
-def cli_argv(config: str, group: int, coef: float) -> list[str]:
+def cli_argv(config: str, group: int, coef: float, horizon: int) -> list[str]:
     extra, preset, _ = SPECS[config]
     argv = ["--actor.model_name_or_path", "toy-gpt2", "--reward.remote_url", "http://127.0.0.1:1",
             "--algo.advantage.estimator", "dr_grpo", "--rollout.n_samples_per_prompt", str(group),
@@ -84,15 +93,15 @@ def cli_argv(config: str, group: int, coef: float) -> list[str]:
             "--train.max_epochs", "1", "--actor.policy_loss_type", "ppo", "--actor.loss_agg_mode", "token-mean",
             "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
             "--algo.kl.init_coef", "0" if config == "beta=0" else repr(coef), "--ds.attn_implementation", "eager",
-            *extra]
+            "--rollout.max_new_tokens", str(horizon), *extra]
     return argv + (["--algo.kl.preset", preset] if preset else [])
 
 
-def parse_args(config: str, group: int, coef: float):
+def parse_args(config: str, group: int, coef: float, horizon: int):
     """OpenRLHF's parsed args; the kl-adapters configuration goes through the adapter's launcher (its flag)."""
     from openrlhf_harness import cli_args
 
-    return cli_args(cli_argv(config, group, coef), wrapper=SPECS[config][1] is not None)
+    return cli_args(cli_argv(config, group, coef, horizon), wrapper=SPECS[config][1] is not None)
 
 
 def _strategy_class():
@@ -120,23 +129,26 @@ class OpenRLHFLoss:
     off whatever an earlier one switched on, then parses this configuration's flags. Use one at a time."""
 
     def __init__(self, problem, config: str, group: int):
-        import openrlhf.trainer.ray.ppo_actor  # noqa: F401  (imported first: the flag patches it when parsed)
+        import openrlhf.trainer.ppo_utils.experience_maker  # noqa: F401  (imported first: the flag patches them when
+        import openrlhf.trainer.ray.ppo_actor  # noqa: F401                  parsed)
 
         import kl_adapters
         from kl_adapters.demo.harness import kl_coefficient
 
         kl_adapters.disable()
 
-        self.config, self.group = config, group
+        self.problem, self.config, self.group = problem, config, group
         self.coef = kl_coefficient(problem, group)  # beta (G-1)/G
         self.adapter = SPECS[config][1] is not None
-        self.args = parse_args(config, group, self.coef)
+        self.args = parse_args(config, group, self.coef, problem.horizon)
         self.trainer = None
+        self.previous_kl_ctl: float | None = None
         self.metrics: list[dict[str, float]] = []
 
     def _build(self, model) -> None:
         import torch
         from openrlhf.models import Actor
+        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
         from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
         from openrlhf_cpu_shim import cuda_shims
 
@@ -156,25 +168,49 @@ class OpenRLHFLoss:
             for (owner, name), fn in saved.items():
                 setattr(owner, name, fn)
         self.model = model
+        # only its compute_advantages_and_returns runs: no model groups; the KL controller is set per step
+        self.maker = RemoteExperienceMaker(None, None, None, None, None, self.strategy, None)
 
     def kl_ctl(self, num_tokens: float) -> float:
         if self.config == "beta=0":
             return 0.0
         return self.coef * self.group / num_tokens if self.adapter else self.coef
 
-    def __call__(self, model, batch):
+    def experience(self, model, batch, num_tokens: float):
+        """The group as OpenRLHF's experience maker hands it to the actor (module docstring): under the adapter, its
+        compute_advantages_and_returns on the rollout's Experience, whose log-probs carry the sampling policy's
+        pi(EOS | y_<t); OpenRLHF's own KL configurations get the same advantages from the harness (the gradient check
+        feeds them single completions, which OpenRLHF's grouping by n_samples_per_prompt cannot take)."""
         import torch
         from openrlhf.trainer.ppo_utils.experience import Experience
+        from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+        from kl_adapters.adapters.openrlhf_statistics import EosPayload, with_eos
+        from kl_adapters.demo.harness import batch_logps_and_eos
+
+        mask = batch.completion_mask
+        attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
+        fields = dict(sequences=batch.input_ids, attention_mask=attention, action_mask=mask,
+                      base_action_log_probs=batch.ref_logp, index=list(range(mask.shape[0])), info={})
+        if not self.adapter:
+            return Experience(**fields, action_log_probs=batch.old_logp, advantages=batch.advantages[:, None] * mask)
+        with torch.no_grad():
+            _, prob, is_eos = batch_logps_and_eos(self.problem, model, batch)
+        experience = Experience(**fields, action_log_probs=with_eos(batch.old_logp, EosPayload(prob, is_eos)),
+                                rewards=batch.rewards, kl=torch.zeros_like(batch.old_logp))
+        current = self.kl_ctl(num_tokens)
+        self.maker.kl_ctl = FixedKLController(current if self.previous_kl_ctl is None else self.previous_kl_ctl)
+        self.previous_kl_ctl = current
+        (experience,) = self.maker.compute_advantages_and_returns([experience])
+        return experience
+
+    def __call__(self, model, batch):
+        import torch
         from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
 
         if self.trainer is None or model is not self.model:
             self._build(model)
-        mask = batch.completion_mask
-        attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
-        experience = Experience(sequences=batch.input_ids, attention_mask=attention, action_mask=mask,
-                                action_log_probs=batch.old_logp, base_action_log_probs=batch.ref_logp,
-                                advantages=batch.advantages[:, None] * mask, index=list(range(mask.shape[0])),
-                                info={})
+        experience = self.experience(model, batch, float(batch.completion_mask.sum()))
         ((experience, info),) = iter_grad_accum_global_norm([experience], self.strategy, 1, lambda e: e.action_mask)
         kl_ctl = self.kl_ctl(float(info["batch_num_tokens"]))
         self.args.algo.kl.init_coef = kl_ctl  # OpenRLHF's FixedKLController value = init_coef

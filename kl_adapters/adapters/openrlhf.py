@@ -24,11 +24,14 @@ compute_approx_kl):
     per-sequence preset term: the KL is aggregated per sequence, not as OpenRLHF's global token mean.
     old_logp is ``experience.action_log_probs``, the rollout-time policy recomputed by the trainer (what PPO's ratio
     uses), so later micro-batches and epochs are importance-weighted exactly (preset "sequence"). The reduced presets'
-    statistics are the rows' rollout-wide ones (openrlhf_statistics.py): ``make_experience`` (PPOTrainer) computes
-    them from the whole rollout and stores them in each row's info, OpenRLHF's replay buffer carries them into the
-    micro-batches, and training_step hands them to kl_term (``statistics=``). Experiences not made by a patched
-    make_experience carry none: kl_term then fits them on the micro-batch itself (still exact, noisier).
-    Pinned by tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate.
+    statistics are the rows' rollout-wide ones (openrlhf_statistics.py): ``compute_advantages_and_returns``
+    (PPOTrainer's RemoteExperienceMaker) is wrapped so that, once OpenRLHF has made the advantages, the statistics are
+    fitted on the whole rollout with them (`_loss_task`) and with the rollout forward's pi(EOS | y_<t) (below), and
+    stored in each row's info; OpenRLHF's replay buffer carries them into the micro-batches, and training_step hands
+    them to kl_term (``statistics=``) with the EndOfSequence of its own forward (the current policy). Experiences not
+    made by a patched experience maker carry none: kl_term then fits them on the micro-batch itself, to the KL term
+    alone (still exact, noisier). Pinned by tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate
+    and test_reward_path.py::test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages.
 
 Reward path (default), in the PPOTrainer / TrainingActor (presets "reward" and "reward-plain"):
     ``RemoteExperienceMaker.make_experience`` is wrapped to hand each sample batch's action mask to
@@ -36,9 +39,20 @@ Reward path (default), in the PPOTrainer / TrainingActor (presets "reward" and "
     (unclamped; OpenRLHF clamps every estimator to [-10, 10]). OpenRLHF's compute_reward makes it the per-token reward
     -kl_coef * k1_t and its returns (gamma = 1) the KL reward-to-go: preset "reward-plain". Preset "reward" then
     replaces each experience's per-token KL by increments d_t whose reward-to-go is the reduced coefficient c_t with
-    the rollout-wide statistics (`_reduce_reward_kl`). Either way the PPO gradient at the rollout policy is
-    beta * (B / N_tok) * grad kl_surrogate(preset, statistics=the rows'), N_tok being OpenRLHF's token-mean divisor.
-    Pinned by tests/openrlhf/test_reward_path.py::test_reward_path_gradient_is_reward_preset.
+    the rollout-wide statistics, fitted with the scores (`_reward_task`) and the rollout forward's pi(EOS | y_<t)
+    (`_reduce_reward_kl`). Either way the PPO gradient at the rollout policy is beta * (B / N_tok) *
+    grad kl_surrogate(preset, statistics=the rows', eos=the rollout policy's), N_tok being OpenRLHF's token-mean
+    divisor. Pinned by tests/openrlhf/test_reward_path.py::test_reward_path_gradient_is_reward_preset.
+
+pi(EOS | y_<t), for the reduced presets' termination control variate, comes from the policy forward OpenRLHF already
+runs, without a second pass: ``Actor.forward`` and actor.py's binding of ``log_probs_from_logits`` are wrapped (in the
+PolicyModelActor's process: patched with ppo_actor); from the logits it was given and the log-probs it returned,
+log pi(EOS) = logsumexp(z_EOS) - (z_y - log pi(y)) (openrlhf_statistics.eos_probabilities: two gathers), at the
+rollout temperature, the EOS ids being the model's generation config's and config's. In the training step the
+probabilities go to the loss (the current policy's, for its rows' own control variate). In PolicyModelActor.forward at
+rollout time (an inference forward) they ride on the returned log-probs (openrlhf_statistics.LogProbsWithEos, a tensor
+subclass that survives its ``.to("cpu")`` and Ray) to the experience maker, which takes them off before OpenRLHF sees
+its experiences (`_take_eos`). Pinned by tests/openrlhf/test_eos.py and test_ray.py.
 
 Metrics: OpenRLHF's ``kl`` and ``logprobs_diff`` keep their meaning and values. Added beside them:
     kl_adapters/seq_kl          per-sequence KL estimate sum_t w_{1:t} k3_t (`sequence_kl`), averaged over samples
@@ -63,6 +77,9 @@ Releases (their KL code diffed, not only tested): what differs and where it is h
     0.11.0 -> 0.11.1  compute_approx_kl gains log_probs_old and unbiased_gradient, and training_step passes them;
                       --algo.kl.unbiased_gradient is new. `_wrap_loss_kl` forwards the release's own call and takes
                       old_logp from the experience on every release; `check_args` reads the flag only where it exists.
+    0.11.0 -> 0.11.1  also: Actor.forward divides the logits by the temperature before log_probs_from_logits, which
+                      0.10.4 / 0.11.0 do inside it; `_wrap_log_probs_from_logits` reads the logits after its call, so
+                      pi(EOS) is at the rollout temperature on every release.
     0.10.4 -> 0.11.0  no change to compute_approx_kl, compute_reward, the returns, training_step's KL, aggregate_loss
                       or the replay buffer (the diffs: z3 leaf modules, masked_normalize's keepdim, a dead GSPO line).
     0.10.3 and older  refused even with KL_ADAPTERS_ALLOW_UNTESTED=1 (`_refuse_incompatible`): training_step takes no
@@ -94,6 +111,7 @@ from ..presets import get_preset
 from ..reductions import KLStatistics
 from ..surrogate import KLTerm, kl_coefficients, kl_reward, kl_term, sequence_kl
 from . import openrlhf_statistics
+from .openrlhf_statistics import EosPayload, RolloutTask, aligned, split_eos
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
 from .versions import supported_range
 from .openrlhf_cli import FLAG
@@ -105,6 +123,7 @@ IS_ESS = "kl_adapters/is_ess"
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
 _EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker"
 _CONFIG = "openrlhf.utils.config"
+_ACTOR = "openrlhf.models.actor"
 
 
 class PresetFlag(str):
@@ -186,7 +205,7 @@ def _settings(args: Any) -> Settings | None:
 # ---- loss path (PolicyModelActor) ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class _LossStep:
     """What OpenRLHF's training_step knows and its compute_approx_kl call does not."""
 
@@ -194,6 +213,8 @@ class _LossStep:
     experience: Any
     loss_batch_info: dict
     statistics: KLStatistics | None  # the micro-batch rows' rollout-wide statistics (openrlhf_statistics.take)
+    horizon: int  # the maximum response length (`_horizon`)
+    eos: EosPayload | None = None  # pi(EOS | y_<t) of this step's policy forward (`_wrap_actor_forward`), if read
 
 
 _loss_step: contextvars.ContextVar[_LossStep | None] = contextvars.ContextVar("kl_adapters_loss_step", default=None)
@@ -211,7 +232,7 @@ def _wrap_training_step(original: Callable) -> Callable:
             loss_batch_info = sys.modules[_PPO_ACTOR].get_loss_batch_info(
                 self.strategy, experience.action_mask, replay_buffer=self.replay_buffer, step=step,
                 dynamic_batch=self.args.train.dynamic_batch_enable)
-        token = _loss_step.set(_LossStep(settings, experience, loss_batch_info, statistics))
+        token = _loss_step.set(_LossStep(settings, experience, loss_batch_info, statistics, _horizon(self.args)))
         try:
             return original(self, experience, kl_ctl, step, loss_batch_info)
         finally:
@@ -234,17 +255,27 @@ def _wrap_loss_kl(original: Callable) -> Callable:
             value = original(*args, **kwargs)
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
-        s, experience = step.settings, step.experience
-        # old_logp = experience.action_log_probs, the rollout-time policy: what 0.11.1+ pass as log_probs_old
-        # (ppo_actor.py: old_action_log_probs) and 0.10.4 / 0.11.0 do not pass at all (their call has no such argument)
-        # statistics None (experiences not made by a patched make_experience): kl_term's own, from this micro-batch
-        term = kl_term(call.arguments["log_probs"], call.arguments["log_probs_base"], experience.action_mask,
-                       preset=s.preset, old_logp=experience.action_log_probs, is_clip=s.is_clip,
-                       statistics=step.statistics)
+        term = _loss_kl_term(step, call.arguments["log_probs"], call.arguments["log_probs_base"])
         _log_loss_metrics(step, term, call.arguments["kl_estimator"])
         return value + _loss_term(step, term).to(value.dtype)
 
     return compute_approx_kl
+
+
+def _loss_kl_term(step: _LossStep, logp: Tensor, ref_logp: Tensor) -> KLTerm:
+    """kl_term of the micro-batch, its rows `aligned` (openrlhf_statistics.py: positions from each response's start).
+
+    old_logp = experience.action_log_probs, the rollout-time policy: what 0.11.1+ pass as log_probs_old (ppo_actor.py:
+    old_action_log_probs) and 0.10.4 / 0.11.0 do not pass at all. eos: pi(EOS | y_<t) of this step's policy forward
+    (the current policy: its rows' own termination control variate). statistics None (experiences not made by a
+    patched experience maker): kl_term's own, from this micro-batch, fitted to the KL term alone.
+    """
+    s, experience = step.settings, step.experience
+    view = aligned(experience.action_mask, None if step.eos is None else step.horizon)
+    eos = None if step.eos is None else view.end_of_sequence(step.eos, step.horizon)
+    statistics = None if step.statistics is None else step.statistics.with_width(view.width)
+    return kl_term(view(logp), view(ref_logp), view(experience.action_mask), preset=s.preset,
+                   old_logp=view(experience.action_log_probs), is_clip=s.is_clip, statistics=statistics, eos=eos)
 
 
 def _loss_term(step: _LossStep, kl: KLTerm) -> Tensor:
@@ -276,6 +307,153 @@ def _log_loss_metrics(step: _LossStep, kl: KLTerm, estimator: str) -> None:
     info[GRAD_WEIGHT_GAP] = torch.where(size > 0, gap / size.clamp(min=torch.finfo(size.dtype).tiny), 0.0)  # 0-dim
 
 
+# ---- pi(EOS | y_<t), from the policy's own forward (Actor.forward and its log_probs_from_logits) -----------------
+
+
+@dataclass
+class _EosCapture:
+    """One Actor.forward's request: its model's end-of-sequence ids; log_probs_from_logits leaves the [B, S]
+    probabilities of its logits here."""
+
+    ids: Tensor
+    prob: Tensor | None = None
+
+
+_eos_capture: contextvars.ContextVar[_EosCapture | None] = contextvars.ContextVar("kl_adapters_eos", default=None)
+
+
+def _wants_eos(step: _LossStep | None) -> bool:
+    """Whether an Actor.forward's end-of-sequence probabilities are needed (a preset with batch statistics): the
+    policy's training forward inside a loss step (the current policy, for its rows' own termination control variate),
+    or an inference forward outside one (PolicyModelActor.forward at rollout time, for the rollout statistics)."""
+    if step is not None:
+        return torch.is_grad_enabled() and get_preset(step.settings.preset).uses_batch_statistics
+    settings = activation.active()
+    return not torch.is_grad_enabled() and settings is not None and get_preset(settings.preset).uses_batch_statistics
+
+
+def _wrap_actor_forward(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self, sequences, action_mask=None, *args, **kwargs):
+        step = _loss_step.get()
+        wanted = action_mask is not None and not getattr(self, "packing_samples", False) and _wants_eos(step)
+        ids = openrlhf_statistics.eos_token_ids(self.model) if wanted else []
+        if not ids:
+            return original(self, sequences, action_mask, *args, **kwargs)
+        capture = _EosCapture(torch.tensor(ids, device=sequences.device))
+        token = _eos_capture.set(capture)
+        try:
+            out = original(self, sequences, action_mask, *args, **kwargs)
+        finally:
+            _eos_capture.reset(token)
+        if capture.prob is None:
+            return out
+        eos = openrlhf_statistics.action_eos(capture.prob, sequences, action_mask, capture.ids)
+        if step is not None:  # the loss reads it (`_loss_kl_term`); OpenRLHF gets its own result
+            step.eos = eos
+            return out
+        return openrlhf_statistics.with_eos(out, eos) if isinstance(out, Tensor) else out
+
+    return forward
+
+
+def _wrap_log_probs_from_logits(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def log_probs_from_logits(logits, labels, *args, **kwargs):
+        out = original(logits, labels, *args, **kwargs)  # 0.10.4 / 0.11.0 divide the logits by the temperature here
+        capture = _eos_capture.get()
+        if capture is not None:
+            capture.prob = openrlhf_statistics.eos_probabilities(logits, labels, out, capture.ids)
+        return out
+
+    return log_probs_from_logits
+
+
+def _take_eos(experiences: list) -> list[EosPayload] | None:
+    """Take the rollout forward's EosPayload off each sample batch's action_log_probs (and any off its reference
+    log-probs: a reference Actor in a patched process carries one too), leaving OpenRLHF's plain tensors; None unless
+    every sample batch had one."""
+    payloads = []
+    for e in experiences:
+        e.action_log_probs, payload = split_eos(e.action_log_probs)
+        e.base_action_log_probs = split_eos(e.base_action_log_probs)[0]
+        payloads.append(payload)
+    return payloads if payloads and all(p is not None for p in payloads) else None
+
+
+def _horizon(args: Any) -> int:
+    """The maximum response length (`EndOfSequence.horizon`): --rollout.max_new_tokens (vLLM's max_tokens), or
+    --data.max_len (what OpenRLHF truncates prompt + response to) when it is unset or an agent makes the responses
+    (--train.agent_func_path: several turns, observations included)."""
+    new_tokens = args.rollout.max_new_tokens
+    return args.data.max_len if not new_tokens or args.train.agent_func_path else new_tokens
+
+
+# ---- loss path: rollout statistics (PPOTrainer / TrainingActor) -------------------------------------------------
+
+#: attribute of the RemoteExperienceMaker holding the previous rollout's mean response length (`_loss_task`)
+_MEAN_LENGTH = "_kl_adapters_mean_length"
+
+
+def _wrap_compute_advantages(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def compute_advantages_and_returns(self, experiences):
+        experiences = original(self, experiences)
+        eos = _take_eos(experiences)  # (also with the flag off: OpenRLHF's experiences hold plain tensors only)
+        settings = _settings(self.args)
+        if settings is not None and self.args.algo.kl.use_loss and get_preset(settings.preset).uses_batch_statistics:
+            _attach_loss_statistics(self, experiences, eos)
+        return experiences
+
+    return compute_advantages_and_returns
+
+
+def _attach_loss_statistics(maker: Any, experiences: list, eos: list[EosPayload] | None) -> None:
+    """Store in each row's info its leave-one-out statistics of the whole rollout, fitted with the advantages OpenRLHF
+    has just computed (`_loss_task`) and the rollout forward's end-of-sequence probabilities."""
+    args = maker.args
+    stats = openrlhf_statistics.rollout_statistics(
+        experiences, [e.action_log_probs for e in experiences], [e.base_action_log_probs for e in experiences],
+        args.rollout.n_samples_per_prompt, task=_loss_task(maker, experiences), eos=eos, horizon=_horizon(args))
+    for e, rows in zip(experiences, stats):
+        openrlhf_statistics.attach(e, rows)
+
+
+def _loss_task(maker: Any, experiences: list) -> RolloutTask | None:
+    """The task term of the loss path: OpenRLHF's final advantages A, on the scale of the adapter's KL term.
+
+    Per token, the step's descent weight is kl_ctl c / N_seq - A / N_tok under PolicyLoss's token mean, i.e. A against
+    beta = kl_ctl N_tok / N_seq (the step's mean response length); that length is taken from the previous rollout
+    (this rollout's would make every row's statistics depend on its own length, which the exactness excludes), and
+    the first rollout, which has none, is fitted to the KL term alone (None). Under seq-mean-token-mean (0.11.2) or
+    gspo the weight is (kl_ctl c - A / L_b) / N_seq: A / L_b against beta = kl_ctl. normalized: `_normalized`.
+    """
+    args, kl_ctl = maker.args, float(maker.kl_ctl.value)
+    normalized = _normalized(args)
+    if not _token_level(args):
+        advantages = [e.advantages / e.action_mask.sum(-1, keepdim=True).clamp(min=1) for e in experiences]
+        return RolloutTask(advantages, kl_ctl, normalized)
+    previous = getattr(maker, _MEAN_LENGTH, None)
+    lengths = torch.cat([e.action_mask.sum(-1) for e in experiences]).float()
+    setattr(maker, _MEAN_LENGTH, float(lengths.sum() / (lengths > 0).sum().clamp(min=1)))
+    return None if previous is None else RolloutTask([e.advantages for e in experiences], kl_ctl * previous, normalized)
+
+
+def _normalized(args: Any) -> bool:
+    """Whether OpenRLHF (compute_advantages_and_returns, 0.10.4-0.11.2) divided the advantages by a standard deviation
+    over rows that include the row: group_norm's group std, and the whitening of gae / reinforce / reinforce_baseline
+    unless --algo.advantage.no_std_norm."""
+    adv = args.algo.advantage
+    return adv.estimator == "group_norm" or (adv.estimator in ("gae", "reinforce", "reinforce_baseline")
+                                              and not adv.no_std_norm)
+
+
+def _token_level(args: Any) -> bool:
+    """PolicyLoss's aggregation is the token mean (--actor.loss_agg_mode token-mean, 0.11.2's default and the only
+    mode before it, and not gspo, which forces the sequence mean)."""
+    return getattr(args.actor, "loss_agg_mode", "token-mean") == "token-mean" and args.actor.policy_loss_type != "gspo"
+
+
 # ---- reward path (PPOTrainer / TrainingActor) ----------------------------------------------------------------------
 
 
@@ -298,15 +476,8 @@ def _wrap_make_experience(original: Callable) -> Callable:
         if settings is None:
             return original(self, samples_list)
         check_args(self.args, settings)
-        reduced, n_samples = get_preset(settings.preset).uses_batch_statistics, self.args.rollout.n_samples_per_prompt
-        if self.args.algo.kl.use_loss:  # loss path: statistics for the actor's micro-batches, carried in info
-            experiences = original(self, samples_list)
-            if reduced:
-                logp = [(e.action_log_probs, e.base_action_log_probs) for e in experiences]
-                for e, stats in zip(experiences, openrlhf_statistics.rollout_statistics(
-                        experiences, *zip(*logp), n_samples)):
-                    openrlhf_statistics.attach(e, stats)
-            return experiences
+        if self.args.algo.kl.use_loss:  # loss path: statistics once the advantages exist (`_wrap_compute_advantages`)
+            return original(self, samples_list)
         rollout = _Rollout(iter(samples_list), [])
         token = _rollout.set(rollout)
         try:
@@ -316,23 +487,51 @@ def _wrap_make_experience(original: Callable) -> Callable:
         if next(rollout.pending, None) is not None or len(rollout.log_probs) != len(experiences):
             raise UnsupportedFrameworkError("OpenRLHF's make_experience computed fewer KLs than it has sample batches; "
                                             f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
-        if reduced:
-            _reduce_reward_kl(experiences, rollout.log_probs, settings, n_samples)
+        eos = _take_eos(experiences)
+        if get_preset(settings.preset).uses_batch_statistics:
+            _reduce_reward_kl(self, experiences, rollout.log_probs, settings, eos)
         return experiences
 
     return make_experience
 
 
-def _reduce_reward_kl(experiences: list, log_probs: list[tuple[Tensor, Tensor]], settings: Settings,
-                      n_samples: int) -> None:
+def _reduce_reward_kl(maker: Any, experiences: list, log_probs: list[tuple[Tensor, Tensor]], settings: Settings,
+                      eos: list[EosPayload] | None) -> None:
     """Replace each experience's per-token KL (k1, from `_wrap_reward_kl`) by rewards whose reward-to-go is the reduced
-    preset's coefficient c_t (rollout-wide statistics): compute_reward makes them -kl_coef * d_t and the returns
-    (gamma = 1) -kl_coef * c_t, so the PPO gradient at the rollout policy is the reduced preset's. The score's
-    baseline (group_norm, rloo, ...) acts on the scalar score only, before the KL is added (experience_maker.py)."""
-    all_stats = openrlhf_statistics.rollout_statistics(experiences, *zip(*log_probs), n_samples)
-    for e, (logp, ref_logp), stats in zip(experiences, log_probs, all_stats):
-        c = kl_coefficients(logp, ref_logp, e.action_mask, preset=settings.preset, statistics=stats)
-        e.kl = openrlhf_statistics.reward_increments(c, e.action_mask).to(e.kl.dtype)
+    preset's coefficient c_t (rollout-wide statistics, fitted with `_reward_task` against beta = kl_coef, the
+    coefficient compute_reward applies, and the rollout forward's end-of-sequence probabilities): compute_reward
+    makes them -kl_coef * d_t and the returns (gamma = 1) -kl_coef * c_t, so the PPO gradient at the rollout policy is
+    the reduced preset's. The score's baseline (group_norm, rloo, ...) acts on the scalar score only, before the KL is
+    added (experience_maker.py)."""
+    args, horizon = maker.args, _horizon(maker.args)
+    task = RolloutTask(_reward_task(experiences, args), float(maker.kl_ctl.value),
+                       args.algo.advantage.estimator == "group_norm")
+    all_stats = openrlhf_statistics.rollout_statistics(experiences, *zip(*log_probs), args.rollout.n_samples_per_prompt,
+                                                       task=task, eos=eos, horizon=horizon)
+    for i, (e, (logp, ref_logp), stats) in enumerate(zip(experiences, log_probs, all_stats)):
+        view = aligned(e.action_mask, None if eos is None else horizon)
+        end = None if eos is None else view.end_of_sequence(eos[i], horizon)
+        c = kl_coefficients(view(logp), view(ref_logp), view(e.action_mask), preset=settings.preset,
+                            statistics=stats.with_width(view.width), eos=end)
+        e.kl = openrlhf_statistics.reward_increments(view.back(c), e.action_mask).to(e.kl.dtype)
+
+
+def _reward_task(experiences: list, args: Any) -> list[Tensor]:
+    """The task part of the advantage OpenRLHF's reward path trains on, per sample batch, from what make_experience
+    holds when the KL rewards are made (compute_advantages_and_returns has not run yet): the score r (``rewards``;
+    the length penalties OpenRLHF applies later are left out). Its per-prompt shift (rloo, reinforce_baseline,
+    dr_grpo, group_norm's mean) and group_norm's std are the core's to remove (shift-invariant, normalized); rloo's
+    leave-one-out baseline also scales it by n / (n - 1); gae's advantage at gamma = lambd = 1 is r - V_t (the critic's
+    rollout values). The whitening of gae / reinforce / reinforce_baseline divides task and KL alike: beta stays
+    kl_coef. Any choice keeps the gradient exact (statistics read other rows only); this one fits the trained one."""
+    estimator, n = args.algo.advantage.estimator, args.rollout.n_samples_per_prompt
+    out = []
+    for e in experiences:
+        r = e.rewards.float() * (n / (n - 1) if estimator == "rloo" and n > 1 else 1.0)
+        if estimator == "gae" and e.values is not None:
+            r = (r[:, None] - e.values.float()) * e.action_mask
+        out.append(r)
+    return out
 
 
 def _wrap_reward_kl(original: Callable) -> Callable:
@@ -345,7 +544,7 @@ def _wrap_reward_kl(original: Callable) -> Callable:
         if sample is None or sample.action_mask.shape != log_probs.shape:
             raise UnsupportedFrameworkError("OpenRLHF's make_experience computed its KLs in an unexpected order; "
                                             f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
-        rollout.log_probs.append((log_probs, log_probs_base))
+        rollout.log_probs.append((split_eos(log_probs)[0], split_eos(log_probs_base)[0]))
         sample.info[SEQ_KL] = sequence_kl(log_probs, log_probs_base, sample.action_mask)
         # k1_t (zero at padding, no clamp): compute_reward turns it into the reward -kl_coef * k1_t ("reward-plain");
         # the reduced "reward" replaces it once the whole rollout is known (`_reduce_reward_kl`)
@@ -408,9 +607,13 @@ def patch(trigger: str) -> None:
     if trigger == _PPO_ACTOR:
         _replace(module.ActorPPOTrainer, "training_step", _wrap_training_step)
         _replace(module, "compute_approx_kl", _wrap_loss_kl)
+        actor = importlib.import_module(_ACTOR)
+        _replace(actor.Actor, "forward", _wrap_actor_forward)
+        _replace(actor, "log_probs_from_logits", _wrap_log_probs_from_logits)
         _replace(importlib.import_module(_CONFIG), "hierarchize", _wrap_hierarchize)
     elif trigger == _EXPERIENCE_MAKER:
         _replace(module.RemoteExperienceMaker, "make_experience", _wrap_make_experience)
+        _replace(module.RemoteExperienceMaker, "compute_advantages_and_returns", _wrap_compute_advantages)
         _replace(module, "compute_approx_kl", _wrap_reward_kl)
     else:
         raise ValueError(f"{trigger!r} is not an OpenRLHF module kl-adapters patches ({_PPO_ACTOR} or "

@@ -59,12 +59,14 @@ def cpu_cuda(monkeypatch):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A real local Ray cluster (2 CPUs, 1 logical GPU) whose workers see the CPU stubs and shims but no KL_ADAPTERS."""
+    """A real local Ray cluster (2 CPUs, 1 logical GPU) whose workers see the CPU stubs and shims but no KL_ADAPTERS,
+    and serialise tensors as OpenRLHF's train_ppo_ray has them do (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1)."""
     import ray
 
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "KL_ADAPTERS": "",
-                                       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+                                       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                                       "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"},
                           "worker_process_setup_hook": "openrlhf_cpu_shim.install_cuda_shims"})
     try:
         yield ray

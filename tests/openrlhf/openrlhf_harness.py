@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import runpy
 import sys
+from typing import Any, NamedTuple
 
 from packaging.version import Version
 
@@ -32,19 +33,23 @@ def param_for_release(argv: list[str], *values):
     reason = "; ".join(f"{flag} arrived in OpenRLHF {LATER_FLAGS[flag][0]}" for flag in missing)
     return pytest.param(argv, *values, marks=pytest.mark.skipif(bool(missing), reason=reason or "-"))
 
-#: the loss-path run: kl_ctl, micro-batch size, gradient accumulation, response lengths of the 8 ragged sequences
+#: the loss-path run: kl_ctl, micro-batch size, gradient accumulation, response lengths of the 8 ragged sequences (the
+#: shorter ones end with EOS), GRPO group size (>= 3: a row's statistics need two other rows of its group), horizon
 BETA, MICRO, GAS = 0.1, 2, 2
 RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
+GROUP, MAX_NEW_TOKENS = 4, 6
 
 
 def base_argv(model_dir: str) -> list[str]:
-    """train_ppo_ray arguments of a 1-GPU group_norm run with the KL as a k3 loss (init_coef 0.1)."""
+    """train_ppo_ray arguments of a 1-GPU group_norm run (2 prompts x 4 samples) with the KL as a k3 loss (init_coef
+    0.1)."""
     return ["--actor.model_name_or_path", model_dir, "--reward.remote_url", "http://127.0.0.1:1",
-            "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
-            "--rollout.batch_size", "4", "--rollout.micro_batch_size", "4", "--actor.num_gpus_per_node", "1",
+            "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", str(GROUP),
+            "--rollout.batch_size", "2", "--rollout.micro_batch_size", "4", "--actor.num_gpus_per_node", "1",
             "--ref.num_gpus_per_node", "1", "--train.micro_batch_size", "2", "--train.batch_size", "4",
             "--train.max_epochs", "2", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-            "--algo.kl.init_coef", "0.1", "--ds.attn_implementation", "eager"]
+            "--algo.kl.init_coef", "0.1", "--ds.attn_implementation", "eager",
+            "--rollout.max_new_tokens", str(MAX_NEW_TOKENS)]
 
 
 class _Parsed(Exception):
@@ -130,32 +135,73 @@ def use_cpu_device(actor) -> None:
 
 
 def loss_path_batch(actor_dir: str, ref_dir: str) -> dict:
-    """8 ragged sequences with behaviour log-probs from a perturbed policy (off-policy from the first step), the
-    reference's log-probs and nonzero advantages: the Experience fields of the loss-path run."""
+    """8 ragged sequences (those shorter than the longest end with EOS) with behaviour log-probs from a perturbed policy
+    (off-policy from the first step on), the reference's log-probs and nonzero advantages: the Experience fields of the
+    loss-path run, and under "rollout_eos" the behaviour policy's `softmax_eos` (what its rollout forward carries)."""
     import torch
-    from openrlhf_cpu_shim import load_actor, perturbed, random_batch
+    from openrlhf_cpu_shim import EOS, load_actor, perturbed, random_batch
 
     actor, ref = load_actor(actor_dir), load_actor(ref_dir)
     behaviour = perturbed(actor, 0.05, seed=3)
     sequences, attention_mask, action_mask = random_batch(len(RESPONSES), 4, RESPONSES, seed=0)
+    for b, n in enumerate(RESPONSES):
+        if n < max(RESPONSES):
+            sequences[b, 4 + n - 1] = EOS
     with torch.no_grad():
         old = behaviour(sequences, action_mask, attention_mask=attention_mask)
         base = ref(sequences, action_mask, attention_mask=attention_mask)
     advantages = 0.3 * torch.randn(action_mask.shape, generator=torch.Generator().manual_seed(4)) * action_mask
     return dict(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, action_log_probs=old,
-                base_action_log_probs=base, advantages=advantages)
+                base_action_log_probs=base, advantages=advantages,
+                rollout_eos=softmax_eos(behaviour, sequences, attention_mask, action_mask))
 
 
-def batch_statistics(batch: dict, n_samples_per_prompt: int = 2):
-    """The rollout-wide statistics make_experience attaches on the loss path (the adapter's own code), for the batch as
-    one sample batch at rollout positions 0..7 (GRPO groups of n_samples_per_prompt)."""
+def experience_fields(batch: dict) -> dict:
+    """The batch's Experience fields (without the behaviour policy's EOS payload)."""
+    return {k: v for k, v in batch.items() if k != "rollout_eos"}
+
+
+class Eos(NamedTuple):
+    """pi(EOS | y_<t) and y_t == EOS, [B, T] each at the action columns (the fields of the adapter's EosPayload)."""
+
+    prob: Any
+    is_eos: Any
+
+
+def softmax_eos(actor, sequences, attention_mask, action_mask) -> Eos:
+    """The end-of-sequence probabilities of an OpenRLHF Actor on a batch, computed apart from the adapter: softmax of a
+    separate forward of its Hugging Face model (logits / the actor's temperature) at the EOS id, at the action columns;
+    y_t == EOS."""
+    import torch
+    from openrlhf_cpu_shim import EOS
+
+    width = action_mask.shape[1]
+    with torch.no_grad():
+        logits = actor.model(sequences, attention_mask=attention_mask).logits.float() / actor.temperature
+    real = action_mask.bool()
+    prob = torch.softmax(logits, -1)[..., EOS][:, :-1][:, -width:]
+    return Eos(torch.where(real, prob, 0.0), (sequences[:, -width:] == EOS) & real)
+
+
+def mean_length(mask) -> float:
+    """N_tok / N_seq of a batch: the length the loss path's task term is scaled with (adapters/openrlhf._loss_task)."""
+    lengths = mask.sum(-1).float()
+    return float(lengths.sum() / (lengths > 0).sum())
+
+
+def batch_statistics(batch: dict, n_samples_per_prompt: int = GROUP):
+    """The rollout-wide statistics the loss path attaches (the adapter's own code), for the batch as one sample batch at
+    rollout positions 0..7 (GRPO groups of n_samples_per_prompt), fitted with its advantages (group_norm: normalized,
+    beta = BETA x its mean length) and its behaviour policy's EOS payload."""
     from types import SimpleNamespace
 
-    from kl_adapters.adapters.openrlhf_statistics import rollout_statistics
+    from kl_adapters.adapters.openrlhf_statistics import EosPayload, RolloutTask, rollout_statistics
 
     rollout = SimpleNamespace(action_mask=batch["action_mask"], index=list(range(len(RESPONSES))))
+    task = RolloutTask([batch["advantages"]], BETA * mean_length(batch["action_mask"]), True)
     return rollout_statistics([rollout], [batch["action_log_probs"]], [batch["base_action_log_probs"]],
-                              n_samples_per_prompt)[0]
+                              n_samples_per_prompt, task=task, eos=[EosPayload(*batch["rollout_eos"])],
+                              horizon=MAX_NEW_TOKENS)[0]
 
 
 def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = "cpu", statistics=None):
@@ -171,8 +217,8 @@ def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = 
     trainer = build_trainer(args, load_actor(actor_dir).to(device), micro_batch=MICRO, gas=GAS, device=device)
     trainer.strategy.ds_device_mesh = mesh
     steps = record_steps(trainer)
-    experience = Experience(**{k: v.clone() for k, v in batch.items()}, total_length=batch["attention_mask"].sum(-1),
-                            index=list(range(len(RESPONSES))), info={})
+    experience = Experience(**{k: v.clone() for k, v in experience_fields(batch).items()},
+                            total_length=batch["attention_mask"].sum(-1), index=list(range(len(RESPONSES))), info={})
     if statistics is not None:
         attach(experience, statistics)
     trainer.replay_buffer.append(experience)
@@ -208,28 +254,46 @@ def rows_statistics(batch: dict, statistics, exp):
     return statistics[rows].with_width(width).to(device)
 
 
+def align_row(x, mask):
+    """Row-wise, apart from the adapter: each row's entries from its first action token (mask) on, zero-padded."""
+    import torch
+    import torch.nn.functional as F
+
+    firsts = [int(m.nonzero()[0]) if m.any() else 0 for m in mask]
+    return torch.stack([F.pad(row[first:], (0, first)) for row, first in zip(x, firsts)])
+
+
 def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS, statistics=None):
     """grad of  sum_micro PolicyLoss / gas  +  beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq).
 
     The KL part is computed one sequence at a time (B = 1), so its divisor is the count N_seq of non-empty sequences
     in the optimizer step, counted here, not OpenRLHF's normaliser. `settings`: the preset and is_clip. statistics:
-    (batch, its KLStatistics) -- each sequence's kl_surrogate gets its own row's statistics (reduced presets); None:
-    the B = 1 form (presets without batch statistics)."""
+    (batch, its KLStatistics) -- each sequence's kl_surrogate gets its own row's statistics and EndOfSequence (the
+    current parameters' `softmax_eos`), on its tokens from its response's start (`align_row`; the statistics are in
+    those positions); None: the B = 1 form (presets without batch statistics)."""
     import torch
 
     from kl_adapters import kl_surrogate
 
-    def own(exp, b):
-        return None if statistics is None else rows_statistics(*statistics, exp)[b:b + 1]
+    def kl_of(exp, logp, b):
+        rows = slice(b, b + 1)
+        m = exp.action_mask[rows]
+        a = lambda x: align_row(x[rows], m)  # noqa: E731
+        extra = {}
+        if statistics is not None:
+            from kl_adapters import EndOfSequence
+
+            eos = softmax_eos(model, exp.sequences, exp.attention_mask, exp.action_mask)
+            extra = dict(statistics=rows_statistics(*statistics, exp)[rows],
+                         eos=EndOfSequence(a(eos.prob), a(eos.is_eos), max(MAX_NEW_TOKENS, m.shape[1])))
+        return kl_surrogate(a(logp), a(exp.base_action_log_probs), a(exp.action_mask), preset=settings.preset,
+                            old_logp=a(exp.action_log_probs), is_clip=settings.is_clip, **extra)
 
     task, per_sequence = 0.0, []
     for exp, info in window:
         logp = model(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
         task = task + trainer.actor_loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
                                             **info)[0] / gas
-        per_sequence += [kl_surrogate(logp[b:b + 1], exp.base_action_log_probs[b:b + 1], exp.action_mask[b:b + 1],
-                                      preset=settings.preset, old_logp=exp.action_log_probs[b:b + 1],
-                                      is_clip=settings.is_clip, statistics=own(exp, b))
-                         for b in range(len(logp)) if exp.action_mask[b].any()]
+        per_sequence += [kl_of(exp, logp, b) for b in range(len(logp)) if exp.action_mask[b].any()]
     loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
     return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])

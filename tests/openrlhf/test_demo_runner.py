@@ -3,9 +3,10 @@ loss is the one OpenRLHF's ActorPPOTrainer.training_step builds, through the ada
 
 Gradient identities checked on one sampled group (pi != pi_ref), N_tok the group's completion tokens, with the
 runner's kl_ctl (beta (G-1)/G for OpenRLHF's own KL losses, beta (G-1)/N_tok under the adapter):
-    grad loss[kl_adapters:sequence]   = (G T / N_tok) grad harness.core_loss("sequence")
+    grad loss[kl_adapters:sequence-plain] = (G T / N_tok) grad harness.core_loss("sequence-plain")
     grad loss[unbiased_gradient]      = (G T / N_tok) grad harness.core_loss("token")      (on-policy: IS weight 1)
     grad loss[openrlhf-default-k3]    = (G T / N_tok) grad harness.core_loss("k3-loss"), != "sequence"
+    grad loss[kl_adapters:sequence]   = the same with the core's statistics called by hand (task, eos)
 so every configuration optimizes its documented objective with the intended strength relative to the task.
 """
 
@@ -60,7 +61,7 @@ def sampled():
     return sampled_group(G)
 
 
-@pytest.mark.parametrize("config, preset, same", [("kl_adapters:sequence", "sequence", True),
+@pytest.mark.parametrize("config, preset, same", [("kl_adapters:sequence-plain", "sequence-plain", True),
                                                   ("unbiased_gradient", "token", True),
                                                   ("openrlhf-default-k3", "k3-loss", True),
                                                   ("openrlhf-default-k3", "sequence", False), ("beta=0", None, True)])
@@ -70,4 +71,34 @@ def test_loss_is_openrlhfs_through_the_adapter(sampled, config, preset, same):
     loss_fn = demo_openrlhf.OpenRLHFLoss(problem, config, G)
     err = kl_part_error(loss_fn, problem, model, batch, preset, G)
     assert (err < 1e-4) == same, f"relative error of the KL part {err:.2e}"
-    assert ("kl_adapters/seq_kl" in loss_fn.metrics[0]) == (config == "kl_adapters:sequence")
+    assert ("kl_adapters/seq_kl" in loss_fn.metrics[0]) == config.startswith("kl_adapters:")
+
+
+@NEEDS_0_11_2
+def test_reduced_preset_is_fitted_with_the_task_and_eos(sampled):
+    """kl_adapters:sequence through OpenRLHF's compute_advantages_and_returns and training_step: the KL gradient is
+    (G T / N_tok) grad kl_surrogate("sequence", statistics=kl_statistics(the sampling policy's log-probs, task =
+    OpenRLHF's advantages r - mean r against beta (G-1)/G, eos = the harness's pi(EOS)), eos = the current policy's).
+    Second step (the first has no previous response length, so its statistics are fitted to the KL term alone); the
+    same group and policy twice, so the previous step's kl_ctl and length are this one's."""
+    import torch
+
+    from kl_adapters import EndOfSequence, TaskAdvantages, kl_statistics, kl_surrogate
+    from kl_adapters.demo.harness import batch_logps_and_eos, core_loss, kl_coefficient
+
+    problem, model, batch = sampled
+    loss_fn = demo_openrlhf.OpenRLHFLoss(problem, "kl_adapters:sequence", G)
+    loss_fn(model, batch)
+    params = list(model.parameters())
+    grad = lambda loss: torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])  # noqa: E731
+    ours = grad(loss_fn(model, batch))
+    mask, coef = batch.completion_mask, kl_coefficient(problem, G)
+    logp, prob, is_eos = batch_logps_and_eos(problem, model, batch)
+    eos = EndOfSequence(prob, is_eos, problem.horizon)
+    stats = kl_statistics(batch.old_logp, batch.ref_logp, mask, task=TaskAdvantages(batch.advantages, coef), eos=eos)
+    assert (stats.eos_coef != 0).any() and (stats.past_coef != 0).any()
+    scale = G * problem.horizon / mask.sum()
+    task = scale * grad(core_loss(problem, None, G)(model, batch))
+    kl = scale * grad(kl_surrogate(logp, batch.ref_logp, mask, preset="sequence", beta=coef / problem.horizon,
+                                   statistics=stats, eos=eos))
+    assert (ours - task - kl).norm() < 1e-4 * kl.norm()

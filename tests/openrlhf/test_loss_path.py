@@ -22,6 +22,8 @@ from kl_adapters.presets import get_preset
 from openrlhf_harness import (
     BETA,
     GAS,
+    MAX_NEW_TOKENS,
+    align_row,
     base_argv,
     batch_statistics,
     cli_args,
@@ -30,6 +32,7 @@ from openrlhf_harness import (
     ppo_train_on,
     reference_grad,
     rows_statistics,
+    softmax_eos,
 )
 
 
@@ -55,9 +58,12 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
 
     kl_surrogate_b's gradient is the preset's sum_t c_t grad log pi_t with the behaviour log-probs as old_logp
     (for "sequence": the unbiased off-policy estimate of grad KL_seq); exact to float32 rounding on all 4 steps.
-    Reduced presets: the batch carries its rollout-wide statistics (as make_experience attaches them) through
-    OpenRLHF's replay buffer (split, shuffled, re-batched), and kl_surrogate_b gets row b's own statistics: so every
-    micro-batch row received its row's statistics. The cuda case (skipped without CUDA) runs on the GPU."""
+    Reduced presets: the batch carries its rollout-wide statistics (as the experience maker attaches them: fitted with
+    the advantages, GRPO groups of 4 and the behaviour policy's EOS probabilities) through OpenRLHF's replay buffer
+    (split, shuffled, re-batched), and kl_surrogate_b gets row b's own statistics and the EndOfSequence of the current
+    parameters (softmax of a separate forward), from its response's start: so every micro-batch row received its row's
+    statistics, and the adapter read pi(EOS) of the policy the loss is taken at. The cuda case (skipped without CUDA)
+    runs on the GPU."""
     settings = activation.parse(preset)
     kl_adapters.enable(settings.preset, is_clip=settings.is_clip)
     stats = batch_statistics(batch) if get_preset(settings.preset).uses_batch_statistics else None
@@ -85,15 +91,21 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
         native_kl = aggregate_loss(compute_approx_kl(logp, exp.base_action_log_probs, kl_estimator="k3"),
                                    exp.action_mask, **info)  # (log_probs_old only matters with unbiased_gradient)
     torch.testing.assert_close(exp.info["kl"], native_kl, rtol=1e-6, atol=0)
-    term = kl_term(logp, exp.base_action_log_probs, exp.action_mask, preset=settings.preset,
-                   old_logp=exp.action_log_probs, is_clip=settings.is_clip,
-                   statistics=None if stats is None else rows_statistics(batch, stats, exp))
+    m = exp.action_mask
+    a = lambda x: align_row(x, m)  # noqa: E731  (the adapter's positions: each row from its response's start)
+    extra = {}
+    if stats is not None:
+        eos = softmax_eos(load_params(actor_dir, log.params_log[0]), exp.sequences, exp.attention_mask, m)
+        extra = dict(statistics=rows_statistics(batch, stats, exp),
+                     eos=kl_adapters.EndOfSequence(a(eos.prob), a(eos.is_eos), max(MAX_NEW_TOKENS, m.shape[1])))
+    term = kl_term(a(logp), a(exp.base_action_log_probs), a(m), preset=settings.preset,
+                   old_logp=a(exp.action_log_probs), is_clip=settings.is_clip, **extra)
     torch.testing.assert_close(exp.info[adapter.SEQ_KL], term.sequence_kl, rtol=1e-5, atol=0)
     torch.testing.assert_close(exp.info[adapter.IS_ESS], term.is_ess)  # 0-dim, < 1: off-policy from the start
     assert exp.info[adapter.IS_ESS].dim() == 0 and 0 < exp.info[adapter.IS_ESS] < 1
     assert not any(key in exp.info for key in KEYS), "statistics must not reach OpenRLHF's metrics"
-    weights = [kl_coefficients(logp, exp.base_action_log_probs, exp.action_mask, preset="k3-loss",
-                               old_logp=exp.action_log_probs), term.coefficients]
+    weights = [kl_coefficients(a(logp), a(exp.base_action_log_probs), a(m), preset="k3-loss",
+                               old_logp=a(exp.action_log_probs)), term.coefficients]
     gap = exp.info[adapter.GRAD_WEIGHT_GAP]  # sum |c_native - c_preset| / sum |c_preset|, native = OpenRLHF's k3 loss
     torch.testing.assert_close(gap, (weights[0] - weights[1]).abs().sum() / weights[1].abs().sum())
     assert gap.dim() == 0 and (gap == 0) == (preset == "k3-loss")

@@ -13,8 +13,9 @@ import torch
 
 import kl_adapters
 from kl_adapters.adapters import openrlhf as adapter
-from openrlhf_cpu_shim import CPUStrategy, load_actor, random_batch
-from openrlhf_harness import base_argv, cli_args, probe, use_cpu_device
+from kl_adapters.adapters.openrlhf_statistics import LogProbsWithEos, split_eos
+from openrlhf_cpu_shim import EOS, CPUStrategy, load_actor, random_batch
+from openrlhf_harness import base_argv, cli_args, probe, softmax_eos, use_cpu_device
 
 pytestmark = pytest.mark.ray
 
@@ -23,6 +24,7 @@ def experience(actor_dir, ref_dir):
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     sequences, attention_mask, action_mask = random_batch(4, 4, [5, 3, 5, 4], seed=0)
+    sequences[1, 4 + 3 - 1] = EOS
     with torch.no_grad():
         old = load_actor(actor_dir)(sequences, action_mask, attention_mask=attention_mask)
         base = load_actor(ref_dir)(sequences, action_mask, attention_mask=attention_mask)
@@ -31,9 +33,21 @@ def experience(actor_dir, ref_dir):
                       index=list(range(4)), info={})
 
 
+def rollout_forward(handle, batch):
+    """The call RemoteExperienceMaker.make_experience makes (RayActorGroup.async_run_method_batch): execute_batch of
+    "forward" on a list of sample batches; the results come back through Ray's object store."""
+    import ray
+
+    chunk = {"sequences": [batch.sequences], "action_mask": [batch.action_mask],
+             "attention_mask": [batch.attention_mask]}
+    return ray.get(handle.execute_batch.remote("forward", chunk, 0, 1))[0]
+
+
 def test_flag_activates_real_policy_actor(ray_cluster, actor_dir, ref_dir):
     """--algo.kl.preset (through the wrapper CLI) patches a real PolicyModelActor, whose fit() then reports the
-    adapter's metrics; an actor given the same args without the flag stays OpenRLHF, although the driver is patched."""
+    adapter's metrics and whose rollout forward returns OpenRLHF's log-probs carrying pi(EOS | y_<t) of that forward
+    through Ray (zero-copy tensors on, as under train_ppo_ray); an actor given the same args without the flag stays
+    OpenRLHF (plain tensors), although the driver is patched."""
     ray = ray_cluster
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
@@ -52,9 +66,19 @@ def test_flag_activates_real_policy_actor(ray_cluster, actor_dir, ref_dir):
         assert control["active"] is None and control["patched"] == []
 
         batch = experience(actor_dir, ref_dir)
+        ray.get([handle.__ray_call__.remote(use_cpu_device) for handle in (flagged, plain)])
+        carried, native = rollout_forward(flagged, batch), rollout_forward(plain, batch)
+        assert isinstance(carried, LogProbsWithEos) and type(native) is torch.Tensor
+        log_probs, eos = split_eos(carried)
+        assert type(log_probs) is torch.Tensor and log_probs.shape == native.shape
+        local = load_actor(actor_dir, torch.bfloat16)  # as init_model_from_pretrained loads it (param_dtype bf16)
+        expected = softmax_eos(local, batch.sequences, batch.attention_mask, batch.action_mask)
+        torch.testing.assert_close(eos.prob, expected.prob, rtol=2e-2, atol=1e-4)
+        assert torch.equal(eos.is_eos, expected.is_eos) and eos.is_eos.any()
+
         statuses = []
         for handle in (flagged, plain):
-            ray.get([handle.__ray_call__.remote(use_cpu_device), handle.append.remote(batch)])
+            ray.get(handle.append.remote(batch))
             statuses.append(ray.get(handle.fit.remote(kl_ctl=0.1)))
         assert {adapter.SEQ_KL, adapter.GRAD_WEIGHT_GAP, "kl", "logprobs_diff"} <= set(statuses[0])
         assert adapter.SEQ_KL not in statuses[1] and "kl" in statuses[1]

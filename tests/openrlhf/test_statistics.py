@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kl_adapters.adapters.openrlhf_statistics import KEYS, attach, reward_increments, take
-from openrlhf_harness import RESPONSES, batch_statistics, rows_of
+from openrlhf_harness import RESPONSES, batch_statistics, experience_fields, rows_of
 
 
 def test_reward_increments_sum_to_the_coefficients():
@@ -34,8 +34,8 @@ def test_statistics_survive_the_replay_buffer(actor_dir, ref_dir, cpu_cuda):
 
     batch = loss_path_batch(actor_dir, ref_dir)
     stats = batch_statistics(batch)
-    experience = Experience(**batch, total_length=batch["attention_mask"].sum(-1), index=list(range(len(RESPONSES))),
-                            info={})
+    experience = Experience(**experience_fields(batch), total_length=batch["attention_mask"].sum(-1),
+                            index=list(range(len(RESPONSES))), info={})
     attach(experience, stats)
     buffer = NaiveReplayBuffer(3, limit=0, cpu_offload=True)
     args = SimpleNamespace(actor=SimpleNamespace(num_nodes=1, num_gpus_per_node=2),
@@ -58,13 +58,19 @@ def test_statistics_survive_the_replay_buffer(actor_dir, ref_dir, cpu_cuda):
 
 
 def test_a_rows_statistics_ignore_its_own_tokens(actor_dir, ref_dir):
-    """rollout_statistics is leave-one-out: changing row 0's log-probs leaves row 0's statistics unchanged."""
+    """rollout_statistics is leave-one-out: changing row 0's log-probs, advantages and EOS probabilities leaves row 0's
+    statistics unchanged (and changes those of its group mates)."""
     from openrlhf_harness import loss_path_batch
 
     batch = loss_path_batch(actor_dir, ref_dir)
     first = (torch.arange(len(RESPONSES)) == 0)[:, None] * batch["action_mask"]
-    changed = batch_statistics(dict(batch, action_log_probs=batch["action_log_probs"] + 0.3 * first))
+    eos = batch["rollout_eos"]
+    changed = batch_statistics(dict(batch, action_log_probs=batch["action_log_probs"] + 0.3 * first,
+                                    advantages=batch["advantages"] + first,
+                                    rollout_eos=type(eos)(eos.prob * (1 - 0.5 * first), eos.is_eos)))
     stats = batch_statistics(batch)
     torch.testing.assert_close(changed.cv_coef[0], stats.cv_coef[0])  # up to the rounding of (group sum - own)
     torch.testing.assert_close(changed.baseline[0], stats.baseline[0])
-    assert not torch.equal(changed.cv_coef[1], stats.cv_coef[1])  # row 0 is row 1's only group mate
+    torch.testing.assert_close(changed.eos_coef[0], stats.eos_coef[0])
+    torch.testing.assert_close(changed.past_coef[0], stats.past_coef[0])
+    assert not torch.equal(changed.cv_coef[1], stats.cv_coef[1])  # row 0 is in row 1's group (rows 0-3)

@@ -3,7 +3,8 @@
 # exact gradient check through the framework's real loss code, then training on a problem whose KL-regularized
 # optimum is known exactly, under each KL configuration, evaluated exactly after every step.
 # Usage: bash scripts/demo.sh [trl|verl|openrlhf] [demo options, e.g. --long, --out bench/results]
-#   trl (default)  `kl-adapters demo`: TRL's real GRPOTrainer
+#   trl (default)  `kl-adapters demo`: TRL's real GRPOTrainer (--long-horizon: the long-horizon benchmark's quick
+#                  variant, T = 128, a few minutes; docs/long_horizon.md)
 #   verl           bench/demo_verl.py: verl's real ppo_loss (and reward path) through kl_adapters.demo.harness
 #   openrlhf       bench/demo_openrlhf.py: OpenRLHF's real ActorPPOTrainer.training_step through the harness
 # Writes kl-adapters-demo/demo_<framework>_quick.{txt,png,json,log} (git-ignored; --long: demo_<framework>.*).

@@ -104,16 +104,7 @@ class ToyProblem:
         return [self.reward_of[c] for c in completions]
 
     def tokenizer(self):
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-
-        vocab = {EOS: 0, **{c: i + 1 for i, c in enumerate(self.chars)}}
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-        tok.decoder = decoders.Fuse()
-        out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=EOS, eos_token=EOS)
-        out.padding_side = "left"
-        return out
+        return char_tokenizer(self.chars)
 
     def model(self, seed: int, hidden: int = 32):
         """A tiny random GPT-2 over this vocabulary (pad = eos = 0), dropout off.
@@ -122,22 +113,42 @@ class ToyProblem:
         values, so a Llama cannot tell the prefix "a a" from "a a a" and cannot represent pi* here (measured: fitting
         pi* directly stalls at KL 0.046 on 15 sequences); learned absolute positions can.
         """
-        from transformers import GPT2Config, GPT2LMHeadModel
+        return tiny_gpt2(len(self.chars) + 1, 16, seed, hidden)
 
-        cfg = GPT2Config(vocab_size=len(self.chars) + 1, n_embd=hidden, n_layer=2, n_head=4, n_positions=16,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=0, tie_word_embeddings=False)
-        model = GPT2LMHeadModel(cfg).float().eval()
-        # Draw the weights ourselves (GPT-2's scheme: N(0, 0.02) matrices, unit gains, zero biases) from a seeded
-        # generator, so that pi_ref -- hence pi* -- is the same whatever transformers version a framework pins.
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for _, p in sorted(model.named_parameters()):
-                if p.dim() >= 2:
-                    p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-                else:
-                    p.fill_(1.0 if _is_gain(p, model) else 0.0)
-        return model
+
+def char_tokenizer(chars: str):
+    """A character-level fast tokenizer: EOS (= pad) is id 0, chars[i] is id i + 1; left padding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {EOS: 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=EOS, eos_token=EOS)
+    out.padding_side = "left"
+    return out
+
+
+def tiny_gpt2(vocab_size: int, positions: int, seed: int, hidden: int = 32):
+    """A tiny GPT-2 (2 layers, 4 heads; pad = eos = id 0; dropout off) with weights drawn from a seeded generator.
+
+    GPT-2's scheme (N(0, 0.02) matrices, unit gains, zero biases), drawn by us rather than by transformers, so that the
+    initial policy -- the reference, hence pi* -- is the same whatever transformers version a framework pins."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=2, n_head=4, n_positions=positions,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                     pad_token_id=0, tie_word_embeddings=False)
+    model = GPT2LMHeadModel(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            else:
+                p.fill_(1.0 if _is_gain(p, model) else 0.0)
+    return model
 
 
 def completion_logprobs(model, input_ids: Tensor, completion_mask: Tensor, dtype=torch.float32) -> Tensor:

@@ -245,6 +245,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
     add_arguments(p, CONFIGS, QUICK)
     add_long_argument(p, "demo_trl")
+    p.add_argument("--long-horizon", action="store_true", help="instead, the long-horizon benchmark's quick variant "
+                   "(T = 128, trl-default vs sequence-plain, 2 seeds, a few minutes; kl_adapters.demo.long_horizon_run"
+                   ".QUICK): writes long_horizon_trl_quick.* to --out; the other options do not apply")
 
 
 def add_long_argument(p: argparse.ArgumentParser, name: str) -> None:
@@ -257,6 +260,10 @@ def main(args: argparse.Namespace) -> int:
     """`kl-adapters demo`: TRL's GRPOTrainer; demo_trl_quick.* by default, demo_trl.* with --long."""
     from .trl_runner import CONFIGS, check_losses, run_trl
 
+    if args.long_horizon:
+        from .long_horizon_run import quick
+
+        return quick(args.out)
     settings = settings_from(args, LONG if args.long else QUICK)
     bench = Benchmark(name="demo_trl" if args.long else "demo_trl_quick", framework="TRL 1.16 GRPOTrainer",
                       run=run_trl, configs=CONFIGS, baseline="trl-default", candidate="sequence", check=check_losses,

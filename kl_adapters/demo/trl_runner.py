@@ -78,10 +78,11 @@ def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings
 
 class CheckLoss:
     """harness.LossFn for the gradient check: `trainer.compute_loss` (TRL's real loss, through the adapter when the
-    configuration sets kl_preset) on a Batch, with the configuration's KLGRPOConfig fields set on the trainer."""
+    configuration sets kl_preset) on a Batch, with the configuration's KLGRPOConfig fields (`overrides`, default
+    SPECS[config]'s) set on the trainer."""
 
-    def __init__(self, trainer, config: str):
-        self.trainer, self.overrides = trainer, SPECS[config][0]
+    def __init__(self, trainer, config: str, overrides: dict | None = None):
+        self.trainer, self.overrides = trainer, SPECS[config][0] if overrides is None else overrides
 
     def __call__(self, model, batch: Batch) -> torch.Tensor:
         for key, value in self.overrides.items():

@@ -1,0 +1,169 @@
+"""Summaries, significance, the text table and the plot of the long-horizon benchmark.
+
+Per horizon and configuration, over seeds: the final J* - J (its mean, standard error = std / sqrt(n), and per-seed
+values, each itself an estimate with its own evaluation standard error), E[R], KL(pi || pi_ref), KL(pi || pi*), and
+the wall time per optimizer step. The seeds are paired -- seed s is the same problem (pi_ref, pi*) and the same
+initial policy under every configuration, evaluated with the same random numbers -- so two configurations are
+compared by a paired t-test on the per-seed differences of the final J* - J (two-sided; "significant" at p < 0.05,
+otherwise a tie at the standard errors shown).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+
+#: one run: {"horizon", "config", "seed", "history": [evaluation rows], "step_seconds": [...], ...}
+Run = dict
+
+
+def final(run: Run, metric: str = "gap") -> float:
+    return run["history"][-1][metric]
+
+
+def summarize(runs: Iterable[Run]) -> dict[int, dict[str, dict]]:
+    """{horizon: {config: summary}} with, per metric of the final evaluation, mean, se and per-seed values (seed
+    order), and the mean seconds per step."""
+    grouped: dict[int, dict[str, list[Run]]] = {}
+    for run in runs:
+        grouped.setdefault(run["horizon"], {}).setdefault(run["config"], []).append(run)
+    out: dict[int, dict[str, dict]] = {}
+    for horizon in sorted(grouped):
+        out[horizon] = {}
+        for config, group in grouped[horizon].items():
+            group = sorted(group, key=lambda r: r["seed"])
+            row = {"seeds": [r["seed"] for r in group], "step_seconds": statistics.fmean(
+                statistics.fmean(r["step_seconds"]) for r in group)}
+            for metric in ("gap", "kl_opt", "reward", "kl_ref", "length"):
+                values = [final(r, metric) for r in group]
+                row[metric] = {"mean": statistics.fmean(values), "se": _se(values), "per_seed": values,
+                               "eval_se": [final(r, metric + "_se") for r in group]}
+            out[horizon][config] = row
+    return out
+
+
+def _se(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+
+
+def paired_test(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(mean of a - b, two-sided p-value of the paired t-test); p = nan with fewer than 2 pairs or no spread."""
+    diffs = [x - y for x, y in zip(a, b)]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2 or statistics.stdev(diffs) == 0:
+        return mean, float("nan")
+    t = mean / (statistics.stdev(diffs) / math.sqrt(len(diffs)))
+    return mean, student_t_p(t, len(diffs) - 1)
+
+
+def student_t_p(t: float, df: int) -> float:
+    """Two-sided p-value of Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
+    return _betainc(df / 2, 0.5, df / (df + t * t))
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _betainc(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1 - x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            numerator = 1.0
+        elif i % 2 == 0:
+            numerator = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            numerator = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 + numerator * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1 + numerator / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1 - c * d) < 1e-14:
+            break
+    return front * (f - 1)
+
+
+def decisions(summary: dict[int, dict[str, dict]], baseline: str, candidates: list[str]) -> dict[int, dict]:
+    """Per horizon: the configuration with the lowest mean final J* - J ("best"), each other configuration's
+    difference to it with the paired p-value, and the per-seed ratio J* - J[baseline] / J* - J[candidate] for the
+    best of `candidates` (the kl-adapters configurations) run on the baseline's seeds."""
+    out = {}
+    for horizon, rows in summary.items():
+        best = min(rows, key=lambda c: rows[c]["gap"]["mean"])
+        versus = {}
+        for config, row in rows.items():
+            if config != best and row["seeds"] == rows[best]["seeds"]:
+                diff, p = paired_test(row["gap"]["per_seed"], rows[best]["gap"]["per_seed"])
+                versus[config] = {"difference": diff, "p": p, "significant": p < 0.05}
+        entry = {"best": best, "versus_best": versus}
+        ours = [c for c in candidates if c in rows and baseline in rows and rows[c]["seeds"] == rows[baseline]["seeds"]]
+        if ours:
+            candidate = min(ours, key=lambda c: rows[c]["gap"]["mean"])
+            entry["ratio"] = {"baseline": baseline, "candidate": candidate, "per_seed": [
+                x / y for x, y in zip(rows[baseline]["gap"]["per_seed"], rows[candidate]["gap"]["per_seed"])]}
+        out[horizon] = entry
+    return out
+
+
+def table(summary: dict[int, dict[str, dict]], decided: dict[int, dict], title: str) -> str:
+    """One block per horizon: a row per configuration (final J* - J mean +- se over seeds, per seed, E[R],
+    KL(pi||ref), length, s/step, and the paired test against the best), then the baseline / best ratio per seed."""
+    width = max(16, *(len(c) + 2 for rows in summary.values() for c in rows))
+    head = (f"{'configuration':<{width}}{'J*-J final (mean +- se)':>26}  {'per seed':<26}{'E[R]':>7}{'KL(pi||ref)':>12}"
+            f"{'length':>8}{'s/step':>8}  vs best (paired t-test)")
+    lines = [title]
+    for horizon, rows in summary.items():
+        entry = decided[horizon]
+        lines += ["", f"T = {horizon}", head, "-" * (len(head) + 12)]
+        for config, row in sorted(rows.items(), key=lambda kv: kv[1]["gap"]["mean"]):
+            gap = row["gap"]
+            seeds = ", ".join(f"{x:.4f}" for x in gap["per_seed"])
+            test = "best" if config == entry["best"] else _versus(entry["versus_best"].get(config))
+            lines.append(f"{config:<{width}}{gap['mean']:>15.4f} +- {gap['se']:<7.4f}  {seeds:<26}"
+                         f"{row['reward']['mean']:>7.3f}{row['kl_ref']['mean']:>12.3f}{row['length']['mean']:>8.0f}"
+                         f"{row['step_seconds']:>8.2f}  {test}")
+        if "ratio" in entry:
+            r = entry["ratio"]
+            lines.append(f"J*-J {r['baseline']} / {r['candidate']}, per seed: "
+                         + ", ".join(f"{x:.1f}x" for x in r["per_seed"]))
+    return "\n".join(lines)
+
+
+def _versus(test: dict | None) -> str:
+    if test is None:
+        return "(other seeds)"
+    verdict = "significant" if test["significant"] else "tie"
+    return f"+{test['difference']:.4f}, p = {test['p']:.3f} ({verdict})"
+
+
+def plot(runs: Iterable[Run], path, title: str) -> None:
+    """J* - J against optimizer steps, one panel per horizon: mean over seeds and the min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grouped: dict[int, dict[str, list[Run]]] = {}
+    for run in runs:
+        grouped.setdefault(run["horizon"], {}).setdefault(run["config"], []).append(run)
+    fig, axes = plt.subplots(1, len(grouped), figsize=(5.5 * len(grouped), 4.5), squeeze=False)
+    for ax, (horizon, configs) in zip(axes[0], sorted(grouped.items())):
+        for k, (config, group) in enumerate(sorted(configs.items())):
+            steps = [row["step"] for row in group[0]["history"]]
+            curves = [[row["gap"] for row in run["history"]] for run in group]
+            mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
+            line, = ax.plot(steps, mean, label=config, lw=1.5, ls=("-", "--", ":", "-.")[k % 4])
+            ax.fill_between(steps, [min(c[i] for c in curves) for i in range(len(steps))],
+                            [max(c[i] for c in curves) for i in range(len(steps))], alpha=0.15,
+                            color=line.get_color())
+        ax.set(yscale="log", xlabel="optimizer step", ylabel="J* - J", title=f"T = {horizon}")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

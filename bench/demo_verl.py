@@ -11,6 +11,9 @@ function below hands them to verl in the layout its engines use:
 
     model_output["log_probs"]  the policy's log-probs over every real token, flattened (verl's no-padding layout,
                                which ppo_loss turns back with its own no_padding_2_padding); with gradient
+    model_output[EOS_PROB / IS_EOS]  pi(EOS | x_<=j) from the same forward's logits and whether x_{j+1} is EOS, in the
+                               same layout: what the adapter's FSDP-engine hook adds to model_output in a real
+                               worker (`harness.batch_logps_and_eos`); read only under a reduced preset
     data (TensorDict)          prompts, responses, attention_mask, response_mask, old_log_probs (the sampling policy:
                                on-policy, so PPO's ratio is 1 and its clip never acts), ref_log_prob, advantages
                                (r_i - mean_j r_j on every token), dp_size 1, batch_num_tokens, global_batch_size G
@@ -30,11 +33,12 @@ advantages. The adapter adds -coef * sum_{s>=t} k1_s after the group normalisati
 this is coef * (G / N_tok) * grad KL_seq in expectation, against (G-1)/N_tok * grad E[r]: the same coef = beta (G-1)/G.
 
 Not exercised: verl's engines (FSDP/Megatron workers, Ray); the log-probs come from the harness's own forward
-(`harness.batch_logps`), not from verl's engine forward. Runs on CPU (no stubs needed for verl).
+(`harness.batch_logps_and_eos`), not from verl's engine forward. Runs on CPU (no stubs needed for verl).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -71,7 +75,7 @@ class VerlLoss:
 
         from kl_adapters.demo.harness import kl_coefficient
 
-        self.path, self.estimator, _ = SPECS[config]
+        self.problem, (self.path, self.estimator, _) = problem, SPECS[config]
         self.coef = kl_coefficient(problem, group)
         self.actor = ActorConfig(
             strategy="fsdp", rollout_n=group, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=group,
@@ -90,15 +94,18 @@ class VerlLoss:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils import losses
 
-        from kl_adapters.demo.harness import batch_logps
+        from kl_adapters.adapters.verl import EOS_PROB, IS_EOS
+        from kl_adapters.demo.harness import batch_logps_and_eos
 
         mask = batch.completion_mask
         group = mask.shape[0]
         attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
         tokens = {"prompts": batch.input_ids[:, :1], "responses": batch.input_ids[:, 1:], "attention_mask": attention,
                   "response_mask": mask.long()}
-        logp = batch_logps(model, batch)  # [G, T], 0 at padding
-        flat = F.pad(logp, (0, 1))[attention.bool()]  # log p(x_{j+1} | x_<=j) at every real position j, 0 at the last
+        # [G, T], 0 at padding; as flat: the value at every real position j (x_{j+1} given x_<=j), 0 at the last
+        logp, eos_prob, is_eos = batch_logps_and_eos(self.problem, model, batch)
+        flat = {key: F.pad(x, (0, 1))[attention.bool()]
+                for key, x in (("log_probs", logp), (EOS_PROB, eos_prob), (IS_EOS, is_eos))}
         step: dict[str, float] = {}
         if self.path == "reward":
             advantages, step = self._reward_path(batch, tokens)
@@ -107,7 +114,8 @@ class VerlLoss:
         data = tu.get_tensordict(
             {**tokens, "old_log_probs": batch.old_logp, "ref_log_prob": batch.ref_logp, "advantages": advantages},
             non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": group})
-        loss, metrics = losses.ppo_loss(self.actor, {"log_probs": flat}, data)
+        with _driver_env():
+            loss, metrics = losses.ppo_loss(self.actor, flat, data)
         for key, value in metrics.items():
             if key in _KEEP or key.startswith("kl_adapters/"):
                 step[key] = float(value.aggregate() if hasattr(value, "aggregate") else value)
@@ -134,6 +142,24 @@ class VerlLoss:
                                              config=AlgoConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False))
         advantages = data.batch["advantages"].to(torch.float32)
         return advantages, {k: float(v) for k, v in metrics.items()}
+
+
+@contextlib.contextmanager
+def _driver_env():
+    """The environment verl's driver gives the actor workers for the harness's advantages (algorithm.adv_estimator=grpo,
+    norm_adv_by_std_in_grpo=False: r_i - mean_j r_j): the adapter's ADVANTAGES_ENV, "shifted" (its runtime_env
+    addition; the workers see no algorithm config). Restored afterwards."""
+    from kl_adapters.adapters.verl import ADVANTAGES_ENV, advantage_scaling
+
+    before = os.environ.get(ADVANTAGES_ENV)
+    os.environ[ADVANTAGES_ENV] = advantage_scaling("grpo", norm_adv_by_std_in_grpo=False)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ADVANTAGES_ENV)
+        else:
+            os.environ[ADVANTAGES_ENV] = before
 
 
 def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dict]]:

@@ -30,10 +30,14 @@ What is patched (attribute -> wrapper; name-import sites already loaded are rebo
     verl.workers.utils.losses.get_policy_loss_fn   captures the tensors ppo_loss hands its policy loss
     verl.workers.utils.losses.kl_penalty           the KL term of ppo_loss (only this module's global: core_algos'
                                                    kl_penalty, used by the reward path and distillation, is untouched)
-    verl.workers.utils.losses.ppo_loss             adds the kl_adapters/* metrics
+    verl.workers.utils.losses.ppo_loss             adds the kl_adapters/* metrics; hands the reduced presets their inputs
+    verl.utils.tensordict_utils.make_iterator      tags the rows of the batch an actor update trains on
+    verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits, FSDPEngineWithLMHead.prepare_model_outputs,
+    verl.workers.engine_workers.TrainingWorker.infer_batch    pi(EOS | y_<t) from the forward's own logits
     verl.trainer.ppo.ray_trainer.apply_kl_penalty, .compute_advantage,
     verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories       the reward path
-    verl.trainer.constants_ppo.get_ppo_ray_runtime_env                       forwards KL_ADAPTERS to the Ray job
+    verl.trainer.constants_ppo.get_ppo_ray_runtime_env                       forwards KL_ADAPTERS (and how the
+                                                                             advantages are scaled) to the Ray job
     verl.utils.config.validate_config                                        refuses conflicting flags in the driver
 
 Actor loss (`_kl_per_token`): ppo_loss adds ``kl_loss_coef * agg_loss(kld, response_mask, loss_agg_mode, **global
@@ -52,21 +56,38 @@ token, as verl does for its policy loss (biased, as there). kld's value is the i
 estimate spread evenly over the sequence's tokens, so verl's ``actor/kl_loss`` reads as a KL (token-mean: per token;
 seq-mean-token-sum: per sequence). ``seq-mean-token-mean`` is refused: it optimizes a length-normalized KL.
 
-Batch statistics (the variance-reduced ``sequence`` / ``reward``): verl's actor micro-batches are small
-(``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out statistics (`kl_statistics`) come from the
-whole batch an actor worker trains on in one update: its data-parallel shard of the rollout batch, with the GRPO
-group (``uid``) when verl passes it. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
+Batch statistics (the variance-reduced ``sequence`` / ``reward``), fitted to the trainer's task + KL gradient
+(reductions.py). What the core receives on the loss path:
+    task   TaskAdvantages(advantages, kl_loss_coef, normalized): ppo_loss's advantages (its per-token weight is
+           A_t - kl_loss_coef c_t whatever loss_agg_mode); normalized unless the driver's runtime_env says "shifted"
+           (`ADVANTAGES_ENV`, from algorithm.adv_estimator / norm_adv_by_std_in_grpo: `advantage_scaling`), since the
+           workers never see the algorithm config
+    group  verl's ``uid`` (the GRPO prompt group: the rows sharing the advantages' normalisation)
+    eos    EndOfSequence(pi(EOS | y_<t) of the current policy, responses == an EOS id, max_response_len): the
+           termination control variate. The FSDP engine's forward already makes the logits; `_record_eos` reads pi(EOS)
+           beside verl's logprobs_from_logits with two gathers per token (log pi(v) = z_v - z_y + log pi(y)), and
+           `_eos_outputs` puts it into model_output (EOS_PROB / IS_EOS, log_probs' layout) for ppo_loss. The EOS ids
+           are the engine's generation config's and tokenizer's (`eos_token_ids`). Other engines (Megatron, ...) add
+           nothing: no termination control variate there.
+verl's actor micro-batches are small (``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out
+statistics (`kl_statistics`) come from the whole batch an actor worker trains on in one update: its data-parallel
+shard of the rollout batch. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
 mini-batches) to tag each row with its index; ppo_loss's micro-batch carries the tags, and `_micro_batch_statistics`
-computes the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass) and hands
-each micro-batch its rows' (tests/verl/test_loss_path.py::test_statistics_of_the_workers_batch_reach_each_shuffled_
-micro_batch; through the FSDP2 engine: tests/verl/test_engine.py). ppo_loss called outside such an update uses its own
-batch's statistics. On the reward path the statistics are computed on the whole rollout batch within each uid group.
+computes the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass), the
+batch's advantages and uid, and the end-of-sequence probabilities that compute_log_prob's forward (the one that made
+old_log_probs) left in the worker (`_keep_eos_rows`, looked up by each row's tokens), and hands each micro-batch its
+rows' (tests/verl/test_loss_path.py::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch; through the
+FSDP2 engine, compute_log_prob included: tests/verl/test_engine.py). ppo_loss called outside such an update uses its
+own batch's statistics (tests/verl/test_loss_path.py::test_task_group_and_eos_reach_the_core). On the reward path the
+statistics are computed on the whole rollout batch within each uid group, with the advantages of the KL-free scores.
 
 Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` and ``reward-plain`` presets. verl's
 apply_kl_penalty runs with its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update
 unchanged), but the advantage estimator is given the KL-free scores; afterwards ``-beta * c_t`` (the preset's
 on-policy weight: ``sum_{s>=t} k1_s`` for reward-plain, its variance-reduced form for reward; k1 from
-``old_log_probs``, beta = kl_ctrl.value) is added to the advantages. The KL is therefore never divided by GRPO's group
+``old_log_probs``, beta = kl_ctrl.value; `reward`'s statistics fitted with TaskAdvantages(those advantages, beta,
+normalized as the estimator's arguments say), no end-of-sequence probabilities: the TaskRunner has no logits) is added
+to the advantages. The KL is therefore never divided by GRPO's group
 std nor collapsed to a sequence sum, whatever ``adv_estimator`` is; beta keeps its meaning of a per-token reward
 coefficient on the raw reward scale (tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation).
 
@@ -94,8 +115,8 @@ from torch import Tensor
 from .. import activation, native
 from ..activation import ENV_VAR, Settings, parse
 from ..presets import get_preset
+from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import kl_coefficients, kl_statistics, kl_term, sequence_kl
-from ..reductions import KLStatistics
 from ._guard import UnsupportedFrameworkError, require_version
 from .versions import supported_range
 
@@ -111,6 +132,14 @@ _REWARD_PRESETS = ("reward", "reward-plain")
 #: TensorDict key added to the batch an actor worker trains on: each row's index in it, carried by verl into every
 #: shuffled mini-batch and micro-batch, so that ppo_loss can look up the rows' batch statistics
 _ROW = "kl_adapters_row"
+#: model_output keys beside verl's "log_probs", in its layout: pi(EOS | y_<t) of the forward that made them (float) and
+#: whether y_t is an end-of-sequence token (bool); added by the FSDP engine's forward when a reduced preset is on
+EOS_PROB, IS_EOS = "kl_adapters_eos_prob", "kl_adapters_is_eos"
+#: advantage estimators whose advantages are only shifted by a mean over rows that include the row (GRPO without
+#: norm_adv_by_std_in_grpo, RLOO): TaskAdvantages(normalized=False); every other one is taken as std-normalized
+_SHIFT_ONLY = ("rloo", "rloo_vectorized")
+#: set by the driver in the Ray job's env_vars (`_with_advantage_scaling`): "normalized" or "shifted" (`_task`)
+ADVANTAGES_ENV = "KL_ADAPTERS_VERL_ADVANTAGES"
 
 _FULL = ("verl's kl estimator 'full' (analytic KL) raises NotImplementedError in verl 0.9.1, and kl-adapters does not "
          "offer it (ppo_loss never receives the full-vocabulary logits). Use kl_adapters:sequence, the exact "
@@ -170,11 +199,8 @@ def check_config(config) -> None:
     The environment setting is KL_ADAPTERS of this process or of ``ray_kwargs.ray_init.runtime_env.env_vars``.
     Pinned by tests/verl/test_config.py.
     """
-    from omegaconf import OmegaConf
-
     actor, algo = config.actor_rollout_ref.actor, config.algorithm
-    in_runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
-    default = activation.active() or parse(os.environ.get(ENV_VAR)) or parse(in_runtime_env)
+    default = _environment_settings(config)
     use_loss, use_reward = bool(actor.use_kl_loss), bool(algo.get("use_kl_in_reward", False))
     for key, name, switch, used in (
         ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, "actor_rollout_ref.actor.use_kl_loss", use_loss),
@@ -199,6 +225,15 @@ def check_config(config) -> None:
             raise ValueError(_LENGTH_NORMALISED)
 
 
+def _environment_settings(config) -> Settings | None:
+    """The KL_ADAPTERS setting a verl run gets: active in this process, or in its environment, or in the config's
+    ``ray_kwargs.ray_init.runtime_env.env_vars``."""
+    from omegaconf import OmegaConf
+
+    in_runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
+    return activation.active() or parse(os.environ.get(ENV_VAR)) or parse(in_runtime_env)
+
+
 def _loss_settings(config) -> Settings | None:
     if not config.use_kl_loss:
         return None
@@ -219,6 +254,14 @@ def _reward_settings(kl_penalty: str) -> Settings | None:
 
 
 @dataclass(frozen=True)
+class _Reduction:
+    """What the reduced presets take from ppo_loss's micro-batch beside the tensors its policy loss receives."""
+
+    eos: EndOfSequence | None  # pi(EOS | y_<t) of this forward (model_output's EOS_PROB), padded like log_prob
+    group: Tensor | None  # [B] ids of verl's "uid" (the GRPO prompt group), when the micro-batch carries it
+
+
+@dataclass(frozen=True)
 class _Captured:
     """The tensors ppo_loss passes to its policy loss, for the KL term that follows it in the same call."""
 
@@ -229,11 +272,15 @@ class _Captured:
     rollout_is_weights: Tensor | None
     native: str | None  # preset with the gradient of verl's own kl_loss_type, if one has it
     rows: Tensor | None  # the micro-batch's row indices in the worker's batch (`_ROW`), if verl's update tagged them
+    advantages: Tensor  # [B, T] the advantages ppo_loss hands its policy loss
+    kl_loss_coef: float
+    reduction: _Reduction | None  # None for the presets without batch statistics
 
 
 #: per thread (one actor update and one ppo_loss call at a time): .captured (_Captured | None), .metrics (dict | None),
-#: .rows (this ppo_loss call's `_ROW` indices), .batch (the worker's tagged batch until its statistics are computed),
-#: .statistics (KLStatistics of that batch)
+#: .rows (this ppo_loss call's `_ROW` indices), .reduction (its `_Reduction`), .batch (the worker's tagged batch until
+#: its statistics are computed), .statistics (KLStatistics of that batch); and, inside one forward of the FSDP engine,
+#: .eos_ids / .eos_record / .eos_pending (`_eos_outputs`)
 _local = threading.local()
 
 
@@ -254,7 +301,8 @@ def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:
             settings = None if config is None else _loss_settings(config)
             _local.captured = None if settings is None else _Captured(
                 settings, kwargs["log_prob"], kwargs["old_log_prob"], kwargs["response_mask"].bool(),
-                kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type), getattr(_local, "rows", None))
+                kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type), getattr(_local, "rows", None),
+                kwargs["advantages"], float(config.kl_loss_coef), getattr(_local, "reduction", None))
             return policy_loss_fn(*args, **kwargs)
 
         return policy_loss
@@ -285,17 +333,12 @@ def _kl_term(original: Callable) -> Callable:
 def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     """Per-token KL term for verl's agg_loss: gradient w_t * c_t * grad log_prob_t, value = the sequence's
     (importance-weighted) KL estimate spread evenly over its tokens. Zero at padding. Also returns the metrics.
-
-    Reduced presets take their statistics from the worker's whole batch (`_micro_batch_statistics`) when verl's
-    update tagged the rows, else (ppo_loss called on its own) from this micro-batch, leave-one-out over its rows."""
+    The reduced presets' inputs: `_reduction_kwargs`."""
     from verl.utils.metric import AggregationType, Metric
 
     mask = c.response_mask
-    statistics = None
-    if get_preset(c.settings.preset).uses_batch_statistics and c.rows is not None:
-        statistics = _micro_batch_statistics(c.rows, mask.shape[1])
     kl = kl_term(c.log_prob, ref_log_prob, mask, preset=c.settings.preset, old_logp=c.old_log_prob,
-                 is_clip=c.settings.is_clip, statistics=statistics)
+                 is_clip=c.settings.is_clip, **_reduction_kwargs(c))
     coef, seq_kl, lp = kl.coefficients, kl.sequence_kl, kl.logp
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     term = seq_kl[:, None] * mask / lengths + coef * (lp - lp.detach())
@@ -309,13 +352,39 @@ def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     return term, {k: Metric(AggregationType.MEAN, v) for k, v in metrics.items()}
 
 
+def _reduction_kwargs(c: _Captured) -> dict:
+    """kl_term's statistics inputs for the reduced presets ({} for the others). The trainer's gradient per token is
+    (A_t - kl_loss_coef c_t) grad log pi_t whatever loss_agg_mode (verl aggregates both terms alike), so the task is
+    TaskAdvantages(advantages, kl_loss_coef, normalized=`_task`: how the algorithm scaled them).
+    Tagged rows (an actor update): the statistics of the worker's whole batch (`_micro_batch_statistics`) and this
+    forward's eos; ppo_loss on its own: statistics of this micro-batch, within its uid groups, with its eos.
+    Pinned by tests/verl/test_loss_path.py::test_task_group_and_eos_reach_the_core and
+    ::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch."""
+    if c.reduction is None:
+        return {}
+    eos = c.reduction.eos
+    if c.rows is not None:
+        return {"statistics": _micro_batch_statistics(c, eos is not None), "eos": eos}
+    group = None if c.reduction.group is None else c.reduction.group.to(c.log_prob.device)
+    return {"group": group, "eos": eos, "task": _task(c.advantages, c.kl_loss_coef)}
+
+
+def _task(advantages: Tensor | None, kl_loss_coef: float) -> TaskAdvantages | None:
+    """The loss path's task term (`_reduction_kwargs`): normalized unless the driver told the workers the advantages
+    are only shifted (ADVANTAGES_ENV, `_with_advantage_scaling`); None without advantages or with kl_loss_coef 0."""
+    if advantages is None or kl_loss_coef <= 0:
+        return None
+    return TaskAdvantages(advantages, kl_loss_coef, normalized=os.environ.get(ADVANTAGES_ENV) != "shifted")
+
+
 def _with_metrics(ppo_loss: Callable) -> Callable:
-    """Wrap ppo_loss: start each call with no captured tensors and the micro-batch's `_ROW` indices (if tagged), and
-    add the kl_adapters/* metrics of its KL term."""
+    """Wrap ppo_loss: start each call with no captured tensors, the micro-batch's `_ROW` indices (if tagged) and its
+    `_reduction_inputs`, and add the kl_adapters/* metrics of its KL term."""
 
     def patched(config, model_output, data, *args, **kwargs):
         _local.captured = _local.metrics = None
         _local.rows = data[_ROW] if _ROW in data.keys() else None
+        _local.reduction = _reduction_inputs(config, model_output, data)
         loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
         extra, _local.metrics = getattr(_local, "metrics", None), None
         if extra:
@@ -323,6 +392,39 @@ def _with_metrics(ppo_loss: Callable) -> Callable:
         return loss, metrics
 
     return patched
+
+
+def _reduction_inputs(config, model_output, data) -> _Reduction | None:
+    """The micro-batch's `_Reduction` when this actor config selects a reduced preset, else None (nothing is read).
+    model_output's EOS_PROB / IS_EOS go through verl's own no_padding_2_padding, as ppo_loss turns "log_probs" into
+    log_prob; the horizon is verl's max_response_len (`_horizon`)."""
+    settings = _loss_settings(config)
+    if settings is None or not get_preset(settings.preset).uses_batch_statistics:
+        return None
+    eos = None
+    if EOS_PROB in model_output:
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        prob = no_padding_2_padding(model_output[EOS_PROB], data)
+        is_eos = no_padding_2_padding(model_output[IS_EOS].to(prob.dtype), data) > 0.5
+        eos = EndOfSequence(prob, is_eos, _horizon(data, prob.shape[1]))
+    return _Reduction(eos=eos, group=_group_ids(data, "cpu"))
+
+
+def _horizon(data, width: int) -> int:
+    """The longest response verl's rollout may produce: the max_response_len that left_right_2_no_padding records (the
+    rollout's padded response length), else the padded width of data["responses"]. Never the micro-batch's own
+    longest response, which would make the termination control variate read the row's own length (biased)."""
+    from verl.utils import tensordict_utils as tu
+
+    horizon = tu.get_non_tensor_data(data=data, key="max_response_len", default=None)
+    if horizon is None and "responses" in data.keys() and not data["responses"].is_nested:
+        horizon = data["responses"].shape[1]
+    if horizon is None or int(horizon) < width:
+        raise UnsupportedFrameworkError(f"ppo_loss's batch gives no maximum response length >= its width {width} "
+                                        "(max_response_len, or padded responses): this verl code path is not the "
+                                        "tested one")
+    return int(horizon)
 
 
 def _tag_rows(make_iterator: Callable) -> Callable:
@@ -344,22 +446,30 @@ def _tag_rows(make_iterator: Callable) -> Callable:
     return patched
 
 
-def _micro_batch_statistics(rows: Tensor, width: int) -> KLStatistics:
+def _micro_batch_statistics(c: _Captured, with_eos: bool) -> KLStatistics:
     """The reduced presets' statistics of a micro-batch's rows, computed once per actor update from the worker's whole
-    batch: kl_statistics(old_log_probs, ref_log_prob, response_mask, group=GRPO uid when verl passes it), i.e. from
-    the behaviour log-probs of the OTHER rows only (leave-one-out), so the gradient stays unbiased whatever the
-    current policy (reductions.py). Cropped to the micro-batch's padded width (rows are left-aligned)."""
+    batch: kl_statistics(old_log_probs, ref_log_prob, response_mask, preset, group=uid when verl passes it,
+    task=`_task`(advantages, kl_loss_coef), eos=the batch's end-of-sequence probabilities from
+    the worker's last compute_log_prob pass (`_stored_eos`) when this forward has them too), i.e. from the OTHER
+    rows only (leave-one-out), so the gradient stays unbiased whatever the current policy (reductions.py). Cropped to
+    the micro-batch's padded width (rows are left-aligned)."""
     if getattr(_local, "statistics", None) is None:
         batch = getattr(_local, "batch", None)
         if batch is None:
             raise UnsupportedFrameworkError("ppo_loss received kl_adapters row indices but no actor batch was tagged "
                                             "in this worker thread: this verl code path is not the tested one")
-        padded = batch.select("old_log_probs", "ref_log_prob", "response_mask").to_padded_tensor()
+        fields = [k for k in ("old_log_probs", "ref_log_prob", "response_mask", "advantages") if k in batch.keys()]
+        padded = batch.select(*fields).to_padded_tensor()
         mask = padded["response_mask"].bool()
-        statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask,
-                                   group=_group_ids(batch, mask.device))
+        eos = _stored_eos(batch, mask.shape[1]) if with_eos else None
+        statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask, preset=c.settings.preset,
+                                   group=_group_ids(batch, mask.device), eos=eos,
+                                   task=_task(padded["advantages"] if "advantages" in fields else None,
+                                              c.kl_loss_coef))
         _local.statistics, _local.batch = statistics, None
-    return _local.statistics[rows.to(_local.statistics.cv_coef.device)].with_width(width).to(rows.device)
+    rows = c.rows
+    return _local.statistics[rows.to(_local.statistics.cv_coef.device)].with_width(
+        c.response_mask.shape[1]).to(rows.device)
 
 
 def _group_ids(batch, device) -> Tensor | None:
@@ -373,6 +483,173 @@ def _group_ids(batch, device) -> Tensor | None:
     values = values.tolist() if hasattr(values, "tolist") else list(values)
     inverse = np.unique(np.asarray(values, dtype=object), return_inverse=True)[1]
     return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
+
+
+# ------------------------------------------------------------------------------------ end-of-sequence probabilities
+
+#: the actor worker's end-of-sequence probabilities from its last compute_log_prob pass (`_keep_eos_rows`): row key
+#: (`_row_keys`: its prompt + response token ids) -> (pi(EOS | x_<=j), is_eos) over the row's positions in log_probs'
+#: layout; read and emptied by the next update's statistics (`_stored_eos`). Process-wide, not per thread: Ray may run
+#: compute_log_prob and update_actor on different threads of the worker.
+_EOS_ROWS: dict[bytes, tuple[Tensor, Tensor]] = {}
+
+
+def end_of_sequence_probabilities(logits: Tensor, labels: Tensor, log_probs: Tensor,
+                                  eos_ids: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """(pi(EOS | x_<=j) summed over eos_ids, whether labels_j is an EOS id) at every position of one call of verl's
+    logprobs_from_logits(logits [..., V] (already at the rollout temperature), labels [...]) -> log_probs [...].
+
+    No second pass over the vocabulary: log_probs = z_label - logsumexp(z), so log pi(v) = z_v - z_label + log_probs
+    (two gathers per token), as precise as verl's log-probs (float32; bf16 where verl's fallback computes bf16 logits'
+    log_softmax in bf16). Detached, float32. Pinned by tests/verl/test_eos.py::test_eos_probabilities_are_the_softmax
+    and, through the FSDP engine against a separate forward, tests/verl/test_engine.py."""
+    import torch
+
+    with torch.no_grad():
+        z, ids = logits.detach(), torch.as_tensor(eos_ids, device=logits.device)
+        shift = log_probs.detach().float() - z.gather(-1, labels[..., None]).squeeze(-1).float()
+        prob = torch.exp(z.index_select(-1, ids).float() + shift[..., None]).sum(-1).clamp(max=1.0)
+        return prob, torch.isin(labels, ids)
+
+
+def eos_token_ids(model_config) -> tuple[int, ...]:
+    """The end-of-sequence ids verl's rollout stops at, from the engine's HFModelConfig: its generation config's
+    eos_token_id (an id or a list) and its tokenizer's eos_token_id. () when neither is set."""
+    ids: set[int] = set()
+    for value in (getattr(getattr(model_config, "generation_config", None), "eos_token_id", None),
+                  getattr(getattr(model_config, "tokenizer", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def _wants_eos(loss_fn) -> bool:
+    """Whether a worker's loss function (verl's partial(ppo_loss, config=actor_config)) selects a reduced preset,
+    whose termination control variate reads pi(EOS | y_<t)."""
+    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
+    if config is None or not hasattr(config, "kl_loss_type"):
+        return False
+    settings = _loss_settings(config)
+    return settings is not None and get_preset(settings.preset).uses_batch_statistics
+
+
+def _record_eos(logprobs_from_logits: Callable) -> Callable:
+    """Wrap the FSDP engine's logprobs_from_logits: while `_eos_outputs` asks for it (_local.eos_ids), also record
+    `end_of_sequence_probabilities` of the same logits. Its result is verl's, untouched."""
+
+    def patched(logits, labels, *args, **kwargs):
+        log_probs = logprobs_from_logits(logits, labels, *args, **kwargs)
+        ids = getattr(_local, "eos_ids", None)
+        if ids:
+            _local.eos_record = end_of_sequence_probabilities(logits, labels, log_probs, ids)
+        return log_probs
+
+    return patched
+
+
+def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
+    """Wrap FSDPEngineWithLMHead.prepare_model_outputs, which turns the model's logits into model_output["log_probs"]:
+    in the actor's training forward under a reduced preset (its loss function, passed here as
+    logits_processor_func, `_wants_eos`), add model_output[EOS_PROB] / [IS_EOS] in log_probs' layout; in an armed
+    compute_log_prob pass (`_keep_eos_rows`), keep them per row instead. Nothing else changes; with no reduced preset
+    verl's method runs alone. No second forward: `_record_eos` reads the logits this forward already made."""
+
+    def patched(self, output, output_args, micro_batch, logits_processor_func, *args, **kwargs):
+        pending = getattr(_local, "eos_pending", None)
+        ids = eos_token_ids(self.model_config) if pending is not None or _wants_eos(logits_processor_func) else ()
+        if not ids:
+            return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func, *args, **kwargs)
+        _local.eos_ids, _local.eos_record = ids, None
+        try:
+            model_output = prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func,
+                                                 *args, **kwargs)
+        finally:
+            record, _local.eos_ids, _local.eos_record = _local.eos_record, None, None
+        if record is None or model_output.get("log_probs") is None:  # fused kernels: verl made no logits here
+            return model_output
+        prob, is_eos = _like_log_probs(self, record, model_output["log_probs"], output_args)
+        if pending is None:
+            model_output[EOS_PROB], model_output[IS_EOS] = prob, is_eos
+        else:
+            pending.update(zip(_row_keys(micro_batch["input_ids"]), zip(prob.unbind(), is_eos.unbind())))
+        return model_output
+
+    return patched
+
+
+def _like_log_probs(engine, record: tuple[Tensor, Tensor], log_probs: Tensor, output_args: dict):
+    """The recorded (prob, is_eos) of `_record_eos` in the layout of model_output["log_probs"]: verl's own
+    _gather_and_unpad_packed where the record still holds the packed padding (or a sequence-parallel shard), then
+    log_probs' nested offsets."""
+    import torch
+
+    packed = torch.stack((record[0], record[1].to(record[0].dtype)), -1).reshape(-1, 2)
+    values = log_probs.values() if log_probs.is_nested else log_probs
+    if packed.shape[0] != values.shape[0]:
+        packed = engine._gather_and_unpad_packed(packed, output_args.get("pad_size", 0))
+    if packed.shape[0] != values.shape[0]:
+        raise UnsupportedFrameworkError(f"verl's engine made {values.shape[0]} log-probs from logits at "
+                                        f"{packed.shape[0]} positions: this verl code path is not the tested one")
+    prob, is_eos = packed[:, 0].contiguous(), packed[:, 1] > 0.5
+    if not log_probs.is_nested:
+        return prob, is_eos
+    offsets = log_probs.offsets()
+    return (torch.nested.nested_tensor_from_jagged(prob, offsets),
+            torch.nested.nested_tensor_from_jagged(is_eos, offsets))
+
+
+def _row_keys(input_ids: Tensor) -> list[bytes]:
+    """One key per row of a nested [B, j] tensor of token ids: a digest of the row's ids (rows with the same tokens
+    have the same end-of-sequence probabilities under the same policy)."""
+    import hashlib
+
+    values, offsets = input_ids.values().cpu().numpy(), input_ids.offsets().tolist()
+    return [hashlib.blake2b(values[a:b].tobytes(), digest_size=16).digest() for a, b in zip(offsets, offsets[1:])]
+
+
+def _keep_eos_rows(infer_batch: Callable) -> Callable:
+    """Wrap TrainingWorker.infer_batch: for the actor (its loss function `_wants_eos`), outside verl's reference pass
+    through the actor (no_lora_adapter), keep each row's end-of-sequence probabilities in `_EOS_ROWS` (replacing the
+    previous pass's). That pass is compute_log_prob, which makes old_log_probs: the same forward, no extra cost
+    beyond two gathers per token. Its output is verl's, untouched."""
+
+    def patched(self, data, *args, **kwargs):
+        from verl.utils import tensordict_utils as tu
+
+        if not _wants_eos(self.loss_fn) or tu.get(data, key="no_lora_adapter", default=False):
+            return infer_batch(self, data, *args, **kwargs)
+        _local.eos_pending = {}
+        try:
+            output = infer_batch(self, data, *args, **kwargs)
+        finally:
+            pending, _local.eos_pending = _local.eos_pending, None
+        _EOS_ROWS.clear()
+        _EOS_ROWS.update(pending)
+        return output
+
+    return patched
+
+
+def _stored_eos(batch, width: int) -> EndOfSequence | None:
+    """The end-of-sequence probabilities of the worker's tagged batch, looked up row by row in `_EOS_ROWS` (emptied
+    afterwards) and put in old_log_probs' padded layout by verl's no_padding_2_padding; None unless every row is there
+    (no compute_log_prob pass: bypass mode, fused kernels, another engine). Any values keep the gradient exact: the
+    statistics read only the other rows'."""
+    import torch
+    import torch.nn.functional as F
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    found = [_EOS_ROWS.get(key) for key in _row_keys(batch["input_ids"])] if "input_ids" in batch.keys() else [None]
+    _EOS_ROWS.clear()
+    if not found or any(row is None for row in found):
+        return None
+    device = batch["response_mask"].device
+    prob, is_eos = (no_padding_2_padding(torch.cat([row[i].to(device, torch.float32) for row in found]), batch)
+                    for i in (0, 1))
+    pad = (0, width - prob.shape[1])  # negative: crop
+    return EndOfSequence(F.pad(prob, pad), F.pad(is_eos, pad) > 0.5, _horizon(batch, width))
 
 
 # --------------------------------------------------------------------------------------------------- reward path
@@ -402,8 +679,11 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
     advantages (after any group/batch normalisation): A_t <- A_t(scores) - beta * c_t, with c_t the on-policy
     per-token weight of the preset on the whole batch (`kl_coefficients(old_log_probs, ref_log_prob, mask)`):
         reward-plain  c_t = sum_{s>=t} k1_s
-        reward        c_t = k1_t + sum_{s>t} (k1_s + a (r_s - 1)) - b_t, a and b_t leave-one-out over the other rows
-                      of the same GRPO group (verl's uid), else of the whole batch (reductions.py)."""
+        reward        the reduced form (reductions.py) with statistics leave-one-out over the other rows of the same
+                      GRPO group (verl's uid), else of the whole batch, fitted to the task + KL gradient:
+                      task=TaskAdvantages(A(scores), beta, normalized=`_normalized_by`(the estimator's arguments)).
+    The TaskRunner has no logits, so no end-of-sequence probabilities: no termination control variate on this path.
+    Pinned by tests/verl/test_reward_path.py."""
 
     def patched(data, *args, **kwargs):
         beta = data.meta_info.pop(_REWARD_BETA, None)
@@ -418,7 +698,11 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
         group = None
         if get_preset(preset).uses_batch_statistics and "uid" in data.non_tensor_batch:
             group = _group_ids({"uid": data.non_tensor_batch["uid"]}, mask.device)
-        coefficients = kl_coefficients(batch["old_log_probs"], batch["ref_log_prob"], mask, preset=preset, group=group)
+        task = None
+        if get_preset(preset).uses_batch_statistics and beta > 0:
+            task = TaskAdvantages(batch["advantages"], beta, _normalized_by(compute_advantage, data, args, kwargs))
+        coefficients = kl_coefficients(batch["old_log_probs"], batch["ref_log_prob"], mask, preset=preset, group=group,
+                                       task=task)
         batch["advantages"] = batch["advantages"] - beta * coefficients.to(batch["advantages"].dtype)
         batch["token_level_rewards"] = penalized  # verl's k1-penalized rewards, for its reward metrics
         return data
@@ -426,16 +710,55 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
     return patched
 
 
+def _normalized_by(compute_advantage: Callable, data, args: tuple, kwargs: dict) -> bool:
+    """TaskAdvantages.normalized for the advantages this call of verl's advantage function made (`advantage_scaling`
+    of its own arguments)."""
+    bound = inspect.signature(compute_advantage).bind(data, *args, **kwargs)
+    bound.apply_defaults()
+    scaling = advantage_scaling(bound.arguments.get("adv_estimator"),
+                                bool(bound.arguments.get("norm_adv_by_std_in_grpo", True)))
+    return scaling == "normalized"
+
+
 # ----------------------------------------------------------------------------------------------- driver helpers
 
 
 def _forward_env(get_ppo_ray_runtime_env: Callable) -> Callable:
-    """Add the active KL_ADAPTERS to the Ray job's runtime_env, so every worker on every node activates."""
+    """Add the active KL_ADAPTERS to the Ray job's runtime_env, so every worker on every node activates, and, given
+    the config, `ADVANTAGES_ENV` (`_with_advantage_scaling`)."""
 
     def patched(*args, **kwargs):  # verl 0.8.0: get_ppo_ray_runtime_env(); 0.9.0 added (config=None)
-        return activation.with_kl_adapters_env(get_ppo_ray_runtime_env(*args, **kwargs))
+        env = activation.with_kl_adapters_env(get_ppo_ray_runtime_env(*args, **kwargs))
+        return _with_advantage_scaling(env, args[0] if args else kwargs.get("config"))
 
     return patched
+
+
+def advantage_scaling(adv_estimator, norm_adv_by_std_in_grpo: bool = True) -> str:
+    """How verl's advantage estimator scales the advantages: "shifted" for the ones that only subtract a mean over rows
+    that include the row (`_SHIFT_ONLY`, and grpo with norm_adv_by_std_in_grpo=False), "normalized" for every other
+    (GRPO's group std, GAE / REINFORCE++ whitening, and any estimator not known to be shift-only: normalized keeps the
+    gradient exact for any advantages, but fits shift-only ones at unit scale, measured 3-5x worse than plain on the
+    demo). Pinned by tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation."""
+    estimator = getattr(adv_estimator, "value", adv_estimator)
+    shifted = estimator in _SHIFT_ONLY or (estimator == "grpo" and not norm_adv_by_std_in_grpo)
+    return "shifted" if shifted else "normalized"
+
+
+def _with_advantage_scaling(runtime_env: dict, config) -> dict:
+    """runtime_env with ADVANTAGES_ENV = `advantage_scaling`(config.algorithm) in its env_vars when the config puts a
+    reduced preset in the actor loss: its workers receive only actor_rollout_ref, not how the TaskRunner made the
+    advantages they fit to. Unchanged otherwise (flag off: verl's runtime_env). Pinned by
+    tests/verl/test_config.py::test_runtime_env_tells_the_workers_how_advantages_are_scaled."""
+    actor = None if config is None else config.actor_rollout_ref.actor
+    if actor is None or not actor.use_kl_loss:
+        return runtime_env
+    settings = flag_settings(actor.kl_loss_type, _environment_settings(config))
+    if settings is None or not get_preset(settings.preset).uses_batch_statistics:
+        return runtime_env
+    algo = config.algorithm
+    scaling = advantage_scaling(algo.adv_estimator, bool(algo.get("norm_adv_by_std_in_grpo", True)))
+    return {**runtime_env, "env_vars": {**(runtime_env.get("env_vars") or {}), ADVANTAGES_ENV: scaling}}
 
 
 def _validate_first(validate_config: Callable) -> Callable:
@@ -465,6 +788,8 @@ class _Site:
     params_in: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: the module holding the function when it is not the trigger itself (one the trigger has imported)
     module: str | None = None
+    #: the class of that module whose method this is (wrapped on the class itself; `everywhere` does not apply)
+    owner: str | None = None
 
     def expected_params(self, version: str) -> tuple[str, ...]:
         return self.params_in.get(version, self.params)
@@ -484,6 +809,13 @@ SITES: dict[str, tuple[_Site, ...]] = {
         _Site("make_iterator", ("tensordict", "mini_batch_size", "epochs"), _tag_rows, everywhere=False,
               module="verl.utils.tensordict_utils"),
     ),
+    # pi(EOS | y_<t) from the logits the FSDP engine's forward already makes (the termination control variate)
+    "verl.workers.engine.fsdp.transformer_impl": (
+        _Site("logprobs_from_logits", ("logits", "labels"), _record_eos, everywhere=False),
+        _Site("prepare_model_outputs", ("self", "output", "output_args", "micro_batch", "logits_processor_func"),
+              _eos_outputs, owner="FSDPEngineWithLMHead"),
+    ),
+    "verl.workers.engine_workers": (_Site("infer_batch", ("self", "data"), _keep_eos_rows, owner="TrainingWorker"),),
     "verl.trainer.ppo.ray_trainer": (
         _Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward),
         _Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl),
@@ -516,26 +848,34 @@ def patch(trigger: str) -> None:
     version = require_version("verl")
     for site in SITES[trigger]:
         module = sys.modules[site.module or trigger]
-        original = getattr(module, site.name, None)
+        holder = getattr(module, site.owner) if site.owner else module
+        original = vars(holder).get(site.name) if site.owner else getattr(module, site.name, None)
         if _is_ours(original):
             continue
         params = tuple(inspect.signature(original).parameters) if callable(original) else None
         expected = site.expected_params(version)
         if params is None or params[: len(expected)] != expected:
             raise UnsupportedFrameworkError(
-                f"verl {version}: {module.__name__}.{site.name}{params or ''} is not the function kl-adapters was "
-                f"tested with ({supported_range('verl')}, parameters {expected})")
+                f"verl {version}: {module.__name__}.{'.'.join(filter(None, (site.owner, site.name)))}"
+                f"{params or ''} is not the function kl-adapters was tested with ({supported_range('verl')}, "
+                f"parameters {expected})")
         wrapper = functools.wraps(original)(site.wrap(original))
         setattr(wrapper, _ORIGINAL, original)
-        targets = _verl_modules() if site.everywhere else [module]
+        targets = _verl_modules() if site.everywhere and not site.owner else [holder]
         for target in targets:
-            if target is module or vars(target).get(site.name) is original:
+            if target is holder or vars(target).get(site.name) is original:
                 setattr(target, site.name, wrapper)
 
 
+def _owners() -> list[type]:
+    """The loaded verl classes whose methods `SITES` wraps."""
+    return [getattr(sys.modules[site.module or trigger], site.owner) for trigger, sites in SITES.items()
+            for site in sites if site.owner and (site.module or trigger) in sys.modules]
+
+
 def unpatch() -> None:
-    """Restore every verl function this adapter wrapped, in every loaded verl module that holds a wrapper."""
-    for module in _verl_modules():
-        for name, value in list(vars(module).items()):
+    """Restore every verl function this adapter wrapped, in every loaded verl module and wrapped class."""
+    for holder in [*_verl_modules(), *_owners()]:
+        for name, value in list(vars(holder).items()):
             if _is_ours(value):
-                setattr(module, name, getattr(value, _ORIGINAL))
+                setattr(holder, name, getattr(value, _ORIGINAL))

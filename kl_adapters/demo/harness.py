@@ -112,3 +112,16 @@ def core_loss(problem: ToyProblem, preset: str | None, group: int) -> LossFn:
 def batch_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
     """[G, T] log pi(y_t | y_<t) of the batch's completions, with gradient, 0 at padding."""
     return completion_logprobs(model, batch.input_ids, batch.completion_mask)
+
+
+def batch_logps_and_eos(problem: ToyProblem, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    """From one forward of the model: [G, T] log pi(y_t | y_<t) with gradient, pi(EOS | y_<t) (detached) and
+    whether y_t is EOS (bool), all 0 / False at padding. What a framework's engine takes from the logits it already
+    computes for kl-adapters' termination control variate (`EndOfSequence`); equals `batch_logps` in its first output
+    (tests/verl/test_demo_runner.py::test_harness_eos_probabilities)."""
+    mask, ids = batch.completion_mask, batch.input_ids
+    attention = torch.cat([torch.ones_like(ids[:, :1]), mask.long()], 1)
+    log_pi = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1)
+    eos = problem.token_id(problem.space.eos)
+    logp = torch.where(mask, log_pi.gather(-1, ids[:, 1:, None]).squeeze(-1), 0.0)
+    return logp, torch.where(mask, log_pi[..., eos].detach().exp(), 0.0), mask & (ids[:, 1:] == eos)

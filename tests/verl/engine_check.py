@@ -2,10 +2,15 @@
 in the actor config (``kl_loss_type=kl_adapters:sequence``), in one process (world size 1): gloo on CPU through the
 test-only platform shim, or NCCL on CUDA. Run as a script by test_engine.py; prints one JSON line "RESULT{...}".
 
+First, as verl's compute_log_prob does before an update, TrainingWorker.infer_batch with the actor's loss function set:
+the end-of-sequence probabilities the adapter keeps from that forward (and those of the training forward, in
+model_output) are compared with softmax(logits)[EOS] of a separate plain transformers forward.
 Check: one SGD step (lr 1, no weight decay, no clipping) from the same initial weights, once with the patched
 ppo_loss and once with an oracle loss = verl's ppo_loss without KL + kl_surrogate(beta = per_sequence_beta(coef, mask,
-"token-mean", num_tokens=<verl's global token count>)) per micro-batch; the parameter updates (= the gradients) must
-agree. Then a few AdamW steps with the flag, reporting verl's and kl-adapters' metrics.
+"token-mean", num_tokens=<verl's global token count>)) per micro-batch, for the reduced presets with statistics =
+kl_statistics(old, ref, mask, task=TaskAdvantages(advantages, coef, normalized=True), eos=EndOfSequence(the separate
+forward's pi(EOS), responses == EOS, R)) of the whole batch and each micro-batch's eos; the parameter updates (= the
+gradients) must agree. Then a few AdamW steps with the flag, reporting verl's and kl-adapters' metrics.
 """
 
 import argparse
@@ -47,9 +52,17 @@ from verl.workers.config import (  # noqa: E402
 from verl.workers.engine_workers import TrainingWorker  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
-from verl_cases import VOCAB, make_tokens, tiny_llama  # noqa: E402
+from verl_cases import EOS_ID, R, VOCAB, make_tokens, tiny_llama  # noqa: E402
 
-from kl_adapters import get_preset, kl_statistics, kl_surrogate, per_sequence_beta  # noqa: E402
+from kl_adapters import (  # noqa: E402
+    EndOfSequence,
+    TaskAdvantages,
+    get_preset,
+    kl_statistics,
+    kl_surrogate,
+    per_sequence_beta,
+)
+from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
 
 COEF, MINI, MICRO = 0.5, 8, 4
 
@@ -66,7 +79,10 @@ def build_worker(path, optimizer: str, lr: float):
     engine = FSDPEngineConfig(strategy="fsdp2", param_offload=False, optimizer_offload=False, dtype="float32",
                               micro_batch_size_per_gpu=MICRO, infer_micro_batch_size_per_gpu=MICRO,
                               use_dynamic_bsz=False, max_token_len_per_gpu=1024, infer_max_token_len_per_gpu=1024,
-                              use_torch_compile=False)
+                              use_torch_compile=False,
+                              # float32 compute (verl's default is bf16), so that the engine's log-probs and
+                              # end-of-sequence probabilities match a separate float32 transformers forward to ~1e-6
+                              mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
     optim = FSDPOptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=0.0, clip_grad=1e9, total_training_steps=10)
     worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                                  optimizer_config=optim, checkpoint_config=CheckpointConfig()))
@@ -96,9 +112,34 @@ def batch(**extra):
 
 
 def log_probs(worker):
+    """compute_log_prob's forward (TrainingWorker.infer_batch): the padded log-probs of the responses."""
     td = batch()
     tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
     return no_padding_2_padding(tu.get(worker.infer_batch(td), "log_probs"), td).float().cpu()
+
+
+def separate_eos(path):
+    """pi(EOS | y_<t) at every response position from a plain transformers forward of the saved model, float64."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64, attn_implementation="eager")
+    ids = torch.cat([tokens["prompts"], tokens["responses"]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=tokens["attention_mask"]).logits
+    prob = logits.softmax(-1)[:, -R - 1:-1, EOS_ID]  # position P - 1 + t predicts response token t
+    return (prob * tokens["response_mask"]).float(), (tokens["responses"] == EOS_ID) & tokens["response_mask"].bool()
+
+
+def capturing(config):
+    """partial(ppo_loss, config=...) as verl's worker builds it, recording model_output's EOS_PROB per micro-batch."""
+    captured = []
+
+    def loss(config, model_output, data, dp_group=None):
+        prob = no_padding_2_padding(model_output[verl_adapter.EOS_PROB], data).detach().cpu()
+        captured.append((data[verl_adapter._ROW].cpu(), prob))
+        return losses.ppo_loss(config, model_output, data, dp_group)
+
+    return partial(loss, config=config), captured
 
 
 def train(worker, loss_fn, old, ref, adv):
@@ -113,12 +154,16 @@ def params(worker):
                       for p in worker.engine.module.parameters()])
 
 
-def oracle(config_without_kl, preset, old, ref):
+def oracle(config_without_kl, preset, old, ref, adv, eos):
     """verl's ppo_loss without KL, plus kl_surrogate with verl's global token count (one micro-batch at a time) and,
-    for the reduced presets, the rows' statistics of the whole batch: kl_statistics(old, ref, mask) of all B rows.
-    Each micro-batch row is found in the batch by its behaviour log-probs (independently of the adapter's row tags)."""
+    for the reduced presets, the rows' statistics of the whole batch: kl_statistics(old, ref, mask, task, eos) of all
+    B rows, and the rows' eos (the policy is the initial one at every micro-batch: one SGD step). eos None: statistics
+    and loss without it. Each micro-batch row is found in the batch by its behaviour log-probs (independently of the
+    adapter's row tags)."""
     upstream = losses.ppo_loss.__kl_adapters_original__
-    statistics = kl_statistics(old, ref, tokens["response_mask"].bool())
+    reduced = get_preset(preset).uses_batch_statistics
+    statistics = kl_statistics(old, ref, tokens["response_mask"].bool(), task=TaskAdvantages(adv, COEF, True),
+                               eos=eos) if reduced else None
 
     def loss_fn(model_output, data, dp_group=None):
         loss, metrics = upstream(config_without_kl, model_output, data, dp_group)
@@ -128,13 +173,35 @@ def oracle(config_without_kl, preset, old, ref):
         beta = per_sequence_beta(COEF, mask, "token-mean", num_tokens=data["batch_num_tokens"] / data["dp_size"])
         width = mask.shape[1]
         rows = (td["old_log_probs"][:, None].cpu() == old[None, :, :width]).all(-1).float().argmax(1)
-        rows_statistics = statistics[rows]
-        kl_kwargs = {} if not get_preset(preset).uses_batch_statistics else {
-            "statistics": rows_statistics.with_width(width).to(lp.device)}
+        kl_kwargs = {} if not reduced else {
+            "statistics": statistics[rows].with_width(width).to(lp.device),
+            "eos": None if eos is None else EndOfSequence(eos.prob[rows, :width].to(lp.device),
+                                                          eos.is_eos[rows, :width].to(lp.device), R)}
         return loss + kl_surrogate(lp, td["ref_log_prob"], mask, preset=preset, beta=beta,
                                    old_logp=td["old_log_probs"], **kl_kwargs), metrics
 
     return loss_fn
+
+
+def flag_off_is_upstream(worker, theta0, old, ref, adv) -> bool:
+    """With verl's own kl_loss_type, compute_log_prob's outputs (every key and value) and one update's weights are
+    the same as with the adapter unpatched (last: it unpatches)."""
+    native = partial(losses.ppo_loss, config=actor_config("low_var_kl"))
+    outputs, weights = [], []
+    for patched in (True, False):
+        if not patched:
+            verl_adapter.unpatch()
+        worker.reset()
+        worker.set_loss_fn(native)
+        td = batch()
+        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+        out = worker.infer_batch(td)
+        outputs.append({k: out[k].values() for k in out.keys() if k != "metrics"})
+        train(worker, native, old, ref, adv)
+        weights.append(params(worker))
+    same_outputs = outputs[0].keys() == outputs[1].keys() and all(
+        torch.equal(outputs[0][k], outputs[1][k]) for k in outputs[0])
+    return same_outputs and torch.equal(*weights) and not torch.equal(weights[0], theta0)
 
 
 def main():
@@ -146,19 +213,33 @@ def main():
     worker = build_worker(path, "SGD", 1.0)
     mask = tokens["response_mask"]
     gen = torch.Generator().manual_seed(1)
+    flagged_loss, captured = capturing(actor_config(f"kl_adapters:{args.preset}"))
+    worker.set_loss_fn(flagged_loss)  # as ActorRolloutRefWorker.init_model, before compute_log_prob
+    current = log_probs(worker)
+    eos_prob, is_eos = separate_eos(path)
+    kept = verl_adapter._stored_eos(batch(), R)  # what the update will find (emptied: fill it again below)
+    kept_error = None if kept is None else float((kept.prob.cpu() - eos_prob).abs().max())
+    assert kept is None or torch.equal(kept.is_eos.cpu(), is_eos)
     current = log_probs(worker)
     old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask  # a behaviour policy != pi_theta
     ref = (current + 0.5 * torch.randn(current.shape, generator=gen)) * mask
     adv = torch.randn(mask.shape[0], 1, generator=gen) * mask
+    eos = EndOfSequence(eos_prob, is_eos, R)
 
     theta0 = params(worker)
-    flagged = train(worker, partial(losses.ppo_loss, config=actor_config(f"kl_adapters:{args.preset}")), old, ref, adv)
+    flagged = train(worker, flagged_loss, old, ref, adv)
     step_flagged = theta0 - params(worker)
-    worker.reset()  # reload the initial weights
-    assert torch.equal(params(worker), theta0)
-    reference = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref),
-                      old, ref, adv)
-    step_oracle = theta0 - params(worker)
+    training_eos = torch.zeros_like(eos_prob)
+    for rows, prob in captured:  # the first update's micro-batches, at the initial weights
+        training_eos[rows, :prob.shape[1]] = prob
+    steps, metrics = {}, {}
+    for name, loss_eos in (("oracle", eos), ("oracle_without_eos", None)):
+        worker.reset()  # reload the initial weights
+        assert torch.equal(params(worker), theta0)
+        metrics[name] = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref,
+                                             adv, loss_eos), old, ref, adv)
+        steps[name] = theta0 - params(worker)
+    reference, step_oracle = metrics["oracle"], steps["oracle"]
     worker.reset()
     train(worker, partial(losses.ppo_loss, config=actor_config("low_var_kl", use_kl_loss=False)),
                       old, ref, adv)
@@ -172,6 +253,10 @@ def main():
                                           "kl_adapters/grad_weight_gap", "kl_adapters/is_ess") if k in m})
     kl_part = step_oracle - step_task
     result = {
+        "flag_off_equal": flag_off_is_upstream(worker, theta0, old, ref, adv),
+        "kept_eos_error": kept_error,  # compute_log_prob's forward vs the separate one (None: nothing kept)
+        "training_eos_error": float((training_eos - eos_prob).abs().max()),
+        "eos_effect": float((steps["oracle_without_eos"] - step_oracle).norm() / kl_part.norm()),
         "kl_rel_error": float((step_flagged - step_oracle).norm() / kl_part.norm()),
         "kl_vs_task": float(kl_part.norm() / step_task.norm()),
         "grad_norms": [flagged["grad_norm"], reference["grad_norm"]],

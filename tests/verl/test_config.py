@@ -94,3 +94,26 @@ def test_driver_forwards_the_active_setting_to_every_ray_worker():
     env = main_ppo.get_ppo_ray_runtime_env()
     assert env["env_vars"][activation.ENV_VAR] == "sequence:is_clip=3.0"
     assert {k: v for k, v in env["env_vars"].items() if k != activation.ENV_VAR} == upstream()["env_vars"]
+
+
+@pytest.mark.parametrize("overrides, scaling", [
+    (["algorithm.adv_estimator=grpo"], "normalized"),
+    (["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False"], "shifted"),
+    (["algorithm.adv_estimator=rloo"], "shifted"),
+    (["algorithm.adv_estimator=gae"], "normalized"),
+    (["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False",
+      "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence-plain"], None),  # no statistics to fit
+    (["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False",
+      "actor_rollout_ref.actor.kl_loss_type=low_var_kl"], None),  # flag off
+])
+def test_runtime_env_tells_the_workers_how_advantages_are_scaled(overrides, scaling):
+    """The actor workers receive only actor_rollout_ref, so the driver's runtime_env says how the algorithm scaled the
+    advantages the reduced presets fit to (kl_adapters' TaskAdvantages.normalized); nothing is added otherwise."""
+    from verl.trainer import constants_ppo, main_ppo
+
+    config = compose(["actor_rollout_ref.actor.use_kl_loss=True",
+                      "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence", *overrides])
+    upstream = constants_ppo.get_ppo_ray_runtime_env.__kl_adapters_original__(config)
+    env = main_ppo.get_ppo_ray_runtime_env(config)
+    assert env["env_vars"].get(verl_adapter.ADVANTAGES_ENV) == scaling
+    assert {k: v for k, v in env["env_vars"].items() if k != verl_adapter.ADVANTAGES_ENV} == upstream["env_vars"]

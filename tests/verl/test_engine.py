@@ -1,5 +1,6 @@
 """verl's real actor update path (TrainingWorker + FSDP2 engine + micro-batching + ppo_loss), driven by the flag in the
-actor config, against an oracle built from kl_surrogate (see engine_check.py). CPU: gloo and the test-only platform
+actor config, against an oracle built from kl_surrogate with the task advantages and the end-of-sequence probabilities
+of a separate forward (see engine_check.py). CPU: gloo and the test-only platform
 shim. GPU: the same check plus real AdamW update steps on CUDA; skipped without CUDA."""
 
 import importlib.metadata
@@ -26,7 +27,14 @@ def run_engine_check(*args: str) -> dict:
 
 def check(result: dict, steps: int) -> None:
     assert result["kl_vs_task"] > 0.05  # the KL term is a sizeable part of the update: the comparison is not vacuous
+    # pi(EOS | y_<t) from compute_log_prob's forward (kept for the update's statistics) and from the training forward
+    # (model_output) = softmax(logits)[EOS] of a separate transformers forward; they change the statistics (the oracle
+    # without them makes another update), so kl_rel_error below shows they reached the core
+    assert result["kept_eos_error"] is not None and result["kept_eos_error"] < 1e-5
+    assert result["training_eos_error"] < 1e-5
+    assert result["eos_effect"] > 1e-3
     assert result["kl_rel_error"] < 1e-4
+    assert result["flag_off_equal"]  # verl's own kl_loss_type: compute_log_prob's outputs and the update as upstream
     assert result["grad_norms"][0] == pytest.approx(result["grad_norms"][1], rel=1e-5)
     assert {"actor/pg_loss", "kl_loss", "kl_coef", "grad_norm", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap",
             "kl_adapters/is_ess"} <= set(result["metric_keys"])

@@ -4,14 +4,17 @@ same tensors, with beta_seq = per_sequence_beta(kl_loss_coef, mask, loss_agg_mod
 
 Identity checked, per preset p with weights c (the preset's per-token gradient weight):
     grad ppo_loss = grad task + kl_loss_coef * grad agg_loss(c_t * log pi_t)
-                  = grad task + grad kl_surrogate(..., preset=p, beta=beta_seq, old_logp=old_log_probs).
+                  = grad task + grad kl_surrogate(..., preset=p, beta=beta_seq, old_logp=old_log_probs, **reduced)
+with, for the presets with batch statistics, reduced = the inputs the adapter hands the core:
+task=TaskAdvantages(advantages, kl_loss_coef, normalized=True), group=uid ids, eos=EndOfSequence(model_output's
+end-of-sequence probabilities, responses == EOS, max response length) -- or statistics of the worker's whole batch.
 """
 
 import importlib.metadata
 
 import pytest
 import torch
-from verl_cases import Case, R, actor_config, flat_grad, flat_log_probs, padded
+from verl_cases import B, Case, R, actor_config, flat_grad, flat_log_probs, flat_outputs, padded
 
 from kl_adapters import SAMPLED_TOKEN_PRESETS, activation, kl_statistics, kl_surrogate, per_sequence_beta, sequence_kl
 from kl_adapters.adapters import verl as verl_adapter
@@ -20,6 +23,8 @@ from kl_adapters.adapters import verl as verl_adapter
 TOKEN_SUM = pytest.mark.skipif(importlib.metadata.version("verl") == "0.8.0", reason="verl 0.8.0 has no token-sum")
 MODES = ("token-mean", "seq-mean-token-sum", pytest.param("token-sum", marks=TOKEN_SUM), "seq-mean-token-sum-norm")
 COEF = 0.3
+UID = [f"p{i // 4}" for i in range(B)]  # verl's uid column: GRPO groups of 4
+GROUPS = torch.arange(B) // 4  # the same groups as integer ids
 
 
 def beta_seq(case: Case, mode: str, num_tokens=None) -> float:
@@ -56,7 +61,7 @@ def test_gradient_is_task_plus_kl_surrogate(off_policy, preset, mode):
     case = off_policy
     flagged, _, metrics = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}", loss_agg_mode=mode))
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False, loss_agg_mode=mode))
-    kl = case.surrogate_grad(preset=preset, beta=beta_seq(case, mode))
+    kl = case.surrogate_grad(preset=preset, beta=beta_seq(case, mode), **case.reduced(preset))
     assert_kl_part(flagged, task, kl)
     assert {"actor/pg_loss", "kl_loss", "kl_coef", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap",
             "kl_adapters/is_ess"} <= set(metrics)
@@ -68,7 +73,32 @@ def test_on_policy_gradient(on_policy, preset):
     case = on_policy
     flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}"))
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
-    assert_kl_part(flagged, task, case.surrogate_grad(preset=preset, beta=beta_seq(case, "token-mean")))
+    assert_kl_part(flagged, task, case.surrogate_grad(preset=preset, beta=beta_seq(case, "token-mean"),
+                                                      **case.reduced(preset)))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("preset, scaling", [("sequence", None), ("reward", None), ("sequence", "shifted")])
+def test_task_group_and_eos_reach_the_core(off_policy, preset, scaling, monkeypatch):
+    """ppo_loss on its own, model_output carrying the end-of-sequence probabilities the engine adds and data carrying
+    verl's uid: the KL gradient is kl_surrogate's with task=TaskAdvantages(advantages, kl_loss_coef, normalized unless
+    the driver's ADVANTAGES_ENV says "shifted"), group=uid and eos=EndOfSequence(model_output's pi(EOS),
+    responses == EOS, R); and each of the three changes it."""
+    case = off_policy
+    if scaling:
+        monkeypatch.setenv(verl_adapter.ADVANTAGES_ENV, scaling)
+    flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}"), eos=True, uid=UID)
+    task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False), eos=True, uid=UID)
+    eos = case.eos()
+    assert eos.is_eos.any() and not eos.is_eos.all() and eos.horizon == R
+    inputs = {"task": case.task(normalized=scaling != "shifted"), "group": GROUPS, "eos": eos}
+    kl = case.surrogate_grad(preset=preset, beta=beta_seq(case, "token-mean"), **inputs)
+    assert_kl_part(flagged, task, kl)
+    others = {k: {n: v for n, v in inputs.items() if n != k} for k in inputs}
+    others["scaling"] = {**inputs, "task": case.task(normalized=scaling == "shifted")}
+    for changed, kwargs in others.items():
+        other = case.surrogate_grad(preset=preset, beta=beta_seq(case, "token-mean"), **kwargs)
+        assert (other - kl).norm() / kl.norm() > 1e-4, changed  # the identity above is not vacuous
 
 
 @pytest.mark.compat
@@ -88,14 +118,14 @@ def test_micro_batch_keeps_verls_normaliser(off_policy, mode, dp_size):
     beta = COEF * mask.shape[0] / divisor[mode]
     if mode == "token-mean":
         assert beta == pytest.approx(float(per_sequence_beta(COEF, mask, mode, num_tokens=tokens / dp_size)))
-    assert_kl_part(flagged, task, case.surrogate_grad(preset="sequence", beta=beta))
+    assert_kl_part(flagged, task, case.surrogate_grad(preset="sequence", beta=beta, task=case.task()))
 
 
 def test_is_clip_option(off_policy):
     case = off_policy
     flagged, _, _ = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence:is_clip=1.5"))
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
-    kl = case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"), is_clip=1.5)
+    kl = case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"), is_clip=1.5, task=case.task())
     assert_kl_part(flagged, task, kl)
 
 
@@ -108,7 +138,7 @@ def test_sequence_level_rollout_is_weights_reweight_each_sequence(off_policy):
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False), rollout_is_weights=weights)
     lp = padded(case.log_probs(), case.tokens)
     beta = COEF / mask.sum()  # per_sequence_beta(COEF, one row, "token-mean", num_tokens=N)
-    stats = kl_statistics(lp.detach(), case.ref, mask, old_logp=case.old)  # the batch's own, as ppo_loss alone uses
+    stats = kl_statistics(lp.detach(), case.ref, mask, old_logp=case.old, task=case.task())  # the batch's own
     kl = sum(weights[b, 0] * kl_surrogate(lp[b:b + 1], case.ref[b:b + 1], mask[b:b + 1], preset="sequence",
                                            beta=beta, old_logp=case.old[b:b + 1], statistics=stats[b:b + 1])
              for b in range(mask.shape[0]))
@@ -123,8 +153,10 @@ def test_environment_flag_replaces_verls_estimator(off_policy):
     by_name, _, _ = case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"))
     activation.disable()
     task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
-    assert_kl_part(by_env, task, case.surrogate_grad(preset="reward", beta=beta_seq(case, "token-mean")))
-    assert_kl_part(by_name, task, case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean")))
+    assert_kl_part(by_env, task, case.surrogate_grad(preset="reward", beta=beta_seq(case, "token-mean"),
+                                                     task=case.task()))
+    assert_kl_part(by_name, task, case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"),
+                                                      task=case.task()))
 
 
 @pytest.mark.compat
@@ -190,10 +222,12 @@ def test_non_finite_reference_log_prob_is_a_clear_error(off_policy):
         case.ppo_grad(actor_config(kl_loss_type="kl_adapters:sequence"))
 
 
-def shuffled_update_grads(case: Case, config, *, uid=None, mini_batch: int = 2, untag: bool = False) -> torch.Tensor:
+def shuffled_update_grads(case: Case, config, *, uid=None, mini_batch: int = 2, untag: bool = False,
+                          eos: bool = False) -> torch.Tensor:
     """What TrainingWorker.train_mini_batch does with the worker's batch: verl's make_iterator splits it into shuffled
     mini-batches, ppo_loss runs on each (global token count: one optimizer step's normaliser); summed gradient.
-    untag: drop the adapter's row column from each mini-batch (ppo_loss then falls back to the micro-batch's own)."""
+    untag: drop the adapter's row column from each mini-batch (ppo_loss then falls back to the micro-batch's own);
+    eos: model_output carries the end-of-sequence probabilities (`flat_outputs`)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils import losses
 
@@ -205,7 +239,8 @@ def shuffled_update_grads(case: Case, config, *, uid=None, mini_batch: int = 2, 
                                  dataloader_kwargs={"shuffle": True}):
         if untag:
             part = part.exclude(verl_adapter._ROW)
-        loss, _ = losses.ppo_loss(config, {"log_probs": flat_log_probs(case.model, part)}, part)
+        outputs = flat_outputs(case.model, part) if eos else {"log_probs": flat_log_probs(case.model, part)}
+        loss, _ = losses.ppo_loss(config, outputs, part)
         total = total + flat_grad(loss, case.model)
     return total
 
@@ -215,15 +250,20 @@ def shuffled_update_grads(case: Case, config, *, uid=None, mini_batch: int = 2, 
 def test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch(off_policy, grouped):
     """Micro-batches of 2 rows, shuffled by verl: each row's KL term uses the statistics of the WHOLE batch the worker
     trains on (leave-one-out over its other rows, or within its GRPO group when verl's uid is in the batch), from the
-    behaviour log-probs, i.e. grad = task + kl_surrogate(full batch, statistics=kl_statistics(old_log_probs, ...))."""
+    behaviour log-probs and the batch's advantages, i.e. grad = task + kl_surrogate(full batch,
+    statistics=kl_statistics(old_log_probs, ..., task=TaskAdvantages(advantages, kl_loss_coef, normalized=True)),
+    eos=each micro-batch's). No compute_log_prob pass kept end-of-sequence probabilities for the whole batch here
+    (tests/verl/test_engine.py runs one), so the statistics carry no termination coefficient."""
     case = off_policy
     mask = case.tokens["response_mask"]
-    uid = [f"p{i // 4}" for i in range(mask.shape[0])] if grouped else None
-    group = torch.arange(mask.shape[0]) // 4 if grouped else None
-    flagged = shuffled_update_grads(case, actor_config(kl_loss_type="kl_adapters:sequence"), uid=uid)
+    uid = UID if grouped else None
+    group = GROUPS if grouped else None
+    flagged = shuffled_update_grads(case, actor_config(kl_loss_type="kl_adapters:sequence"), uid=uid, eos=True)
     task = shuffled_update_grads(case, actor_config(use_kl_loss=False), uid=uid)
-    stats = kl_statistics(case.old, case.ref, mask, group=group)
-    expected = case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"), statistics=stats)
+    stats = kl_statistics(case.old, case.ref, mask, group=group, task=case.task())
+    assert not stats.eos_coef.any()
+    expected = case.surrogate_grad(preset="sequence", beta=beta_seq(case, "token-mean"), statistics=stats,
+                                   eos=case.eos())
     assert_kl_part(flagged, task, expected)
     own = shuffled_update_grads(case, actor_config(kl_loss_type="kl_adapters:sequence"), uid=uid, untag=True)
     assert ((own - flagged).norm() / (flagged - task).norm()) > 1e-2  # 2-row statistics: another (noisier) estimate
@@ -258,5 +298,5 @@ def test_a_batch_split_again_gets_fresh_statistics(off_policy):
                                      part)[0], case.model)
     lp = padded(case.log_probs(), case.tokens)
     kl = kl_surrogate(lp, case.ref, mask, preset="sequence", beta=beta_seq(case, "token-mean"), old_logp=shifted,
-                      statistics=kl_statistics(shifted, case.ref, mask))
+                      statistics=kl_statistics(shifted, case.ref, mask, task=case.task()))
     assert_kl_part(flagged, task, flat_grad(kl, case.model))

@@ -10,6 +10,7 @@ import pytest
 from kl_adapters import activation
 
 TESTS = str(Path(__file__).resolve().parent)
+KL_ADAPTERS = str(Path(activation.__file__).resolve().parent)  # the package under test
 
 
 @pytest.mark.ray
@@ -22,7 +23,8 @@ def test_ray_workers_run_the_patched_loss(monkeypatch):
     runtime_env = main_ppo.get_ppo_ray_runtime_env()  # verl's job runtime_env, kl-adapters' addition included
     activation.disable()  # the cluster starts without it: workers can only get it through the runtime_env
     assert activation.ENV_VAR not in os.environ and runtime_env["env_vars"][activation.ENV_VAR] == "sequence"
-    runtime_env["env_vars"]["PYTHONPATH"] = TESTS  # workers import verl_cases
+    # workers import verl_cases (and the kl_adapters on this process's PYTHONPATH, if any: a source tree under test)
+    runtime_env["env_vars"]["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=2, runtime_env=runtime_env, include_dashboard=False, logging_level="ERROR")
     try:
         worker = ray.remote(num_cpus=1)(verl_cases.LossWorker)
@@ -40,5 +42,5 @@ def test_ray_workers_run_the_patched_loss(monkeypatch):
     assert env_result["active"] == "sequence" and name_result["active"] == "None"
     for result in (env_result, name_result):
         assert result["pid"] != os.getpid() and result["patched"]
-        assert result["kl_error"] < 1e-4
+        assert result["kl_error"] < 1e-4 and result["kl_adapters"] == KL_ADAPTERS
         assert result["metrics"] == ["kl_adapters/grad_weight_gap", "kl_adapters/is_ess", "kl_adapters/seq_kl"]

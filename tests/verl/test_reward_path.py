@@ -2,10 +2,11 @@
 functions as each trainer binds them (v0 ray_trainer, v1 trainer_base, experimental separation).
 
 Identity checked: advantages = estimator(KL-free scores) - beta * c_t, c_t the on-policy weight of the preset on the
-whole batch (reward: leave-one-out statistics within each GRPO group, verl's uid; reward-plain: sum_{s>=t} k1_s), i.e.
-the KL reward-to-go is added after any normalisation, so GRPO's per-group std never rescales it; through verl's PG loss
-on-policy this is exactly the gradient of kl_surrogate(preset, beta=per_sequence_beta(beta, mask, "token-mean"),
-group=uid).
+whole batch (reward: leave-one-out statistics within each GRPO group, verl's uid, fitted to the task + KL gradient with
+task=TaskAdvantages(estimator(scores), beta, normalized: False for rloo and grpo without std, else True); reward-plain:
+sum_{s>=t} k1_s), i.e. the KL reward-to-go is added after any normalisation, so GRPO's per-group std never rescales
+it; through verl's PG loss on-policy this is exactly the gradient of kl_surrogate(preset, beta=per_sequence_beta(beta,
+mask, "token-mean"), group=uid, task=...).
 """
 
 import importlib
@@ -16,7 +17,7 @@ import pytest
 import torch
 from verl_cases import Case, actor_config
 
-from kl_adapters import activation, kl_coefficients, kl_reward, per_sequence_beta
+from kl_adapters import TaskAdvantages, activation, kl_coefficients, kl_reward, per_sequence_beta
 from kl_adapters.adapters import verl as verl_adapter
 
 BETA = 0.1
@@ -49,7 +50,7 @@ SITES = {  # trainer module -> the advantage function its fit loop calls after a
 GROUPS = torch.arange(8) // G  # the uid of reward_batch's rows as integer ids
 
 
-def run(site: str, kl_penalty: str | None, estimator: str, case: Case, *, kl_ctrl=None):
+def run(site: str, kl_penalty: str | None, estimator: str, case: Case, *, kl_ctrl=None, norm: bool = True):
     """What a trainer's step does: KL in reward (kl_penalty None: use_kl_in_reward=False), then the advantages."""
     from verl.trainer.config import AlgoConfig
     from verl.trainer.ppo.core_algos import FixedKLController
@@ -61,8 +62,8 @@ def run(site: str, kl_penalty: str | None, estimator: str, case: Case, *, kl_ctr
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
     else:
         data, metrics = module.apply_kl_penalty(data, kl_ctrl=kl_ctrl or FixedKLController(BETA), kl_penalty=kl_penalty)
-    kwargs = dict(adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=G, norm_adv_by_std_in_grpo=True,
-                  config=AlgoConfig(adv_estimator=estimator))
+    kwargs = dict(adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=G, norm_adv_by_std_in_grpo=norm,
+                  config=AlgoConfig(adv_estimator=estimator, norm_adv_by_std_in_grpo=norm))
     if site == "v1":
         kwargs["batch_keys"] = [f"{uid}_{row}_0" for row, uid in enumerate(data.non_tensor_batch["uid"])]
     return advantage(data, **kwargs), metrics
@@ -73,10 +74,12 @@ def case():
     return Case(seed=2, on_policy=True)
 
 
-def kl_to_go(case, preset="reward"):
-    """What the adapter adds to the advantages: -beta * the preset's on-policy weight, statistics within each group."""
-    group = GROUPS if preset == "reward" else None
-    return -BETA * kl_coefficients(case.old, case.ref, case.tokens["response_mask"], preset=preset, group=group)
+def kl_to_go(case, scores_only=None, normalized=True, preset="reward"):
+    """What the adapter adds to the advantages: -beta * the preset's on-policy weight; `reward`: statistics within each
+    group, fitted with the task advantages of `scores_only` (the estimator's result on the KL-free scores)."""
+    reduced = {} if preset != "reward" else {"group": GROUPS, "task": TaskAdvantages(
+        scores_only.batch["advantages"], BETA, normalized)}
+    return -BETA * kl_coefficients(case.old, case.ref, case.tokens["response_mask"], preset=preset, **reduced)
 
 
 def test_reward_plain_adds_the_k1_reward_to_go(case):
@@ -85,17 +88,26 @@ def test_reward_plain_adds_the_k1_reward_to_go(case):
     scores_only, _ = run("v0", None, "grpo", case)
     plain = kl_reward(case.old, case.ref, case.tokens["response_mask"], beta=BETA, to_go=True)
     torch.testing.assert_close(ours.batch["advantages"], scores_only.batch["advantages"] + plain, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(kl_to_go(case, "reward-plain"), plain)
+    torch.testing.assert_close(kl_to_go(case, preset="reward-plain"), plain)
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("site, estimator", [("v0", "grpo"), ("v0", "rloo"), ("v0", "reinforce_plus_plus"),
-                                             ("v1", "grpo"), ("separation", "grpo")])
-def test_reward_kl_added_after_grpo_normalisation(case, site, estimator):
-    ours, metrics = run(site, "kl_adapters:reward", estimator, case)
-    scores_only, _ = run(site, None, estimator, case)
-    expected = scores_only.batch["advantages"] + kl_to_go(case)
+@pytest.mark.parametrize("site, estimator, norm, normalized", [
+    ("v0", "grpo", True, True), ("v0", "grpo", False, False), ("v0", "rloo", True, False),
+    ("v0", "reinforce_plus_plus", True, True), ("v1", "grpo", True, True), ("v1", "grpo", False, False),
+    ("separation", "grpo", True, True)])
+def test_reward_kl_added_after_grpo_normalisation(case, site, estimator, norm, normalized, monkeypatch):
+    """normalized: how the adapter tells the core the estimator's advantages were scaled (TaskAdvantages.normalized:
+    by a std over rows including the row, or only shifted), read from the estimator's own arguments. On this small
+    batch both flags can give the same coefficients, so the flag the core receives is also checked directly."""
+    handed = []
+    core = verl_adapter.kl_coefficients
+    monkeypatch.setattr(verl_adapter, "kl_coefficients", lambda *a, **kw: handed.append(kw["task"]) or core(*a, **kw))
+    ours, metrics = run(site, "kl_adapters:reward", estimator, case, norm=norm)
+    scores_only, _ = run(site, None, estimator, case, norm=norm)
+    expected = scores_only.batch["advantages"] + kl_to_go(case, scores_only, normalized)
     torch.testing.assert_close(ours.batch["advantages"], expected, rtol=1e-6, atol=1e-7)
+    assert [t.normalized for t in handed] == [normalized] and handed[0].beta == BETA
     assert "kl_adapters/reward_beta" not in ours.meta_info
     assert {"actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "kl_adapters/seq_kl"} <= set(metrics)
 
@@ -125,7 +137,8 @@ def test_policy_gradient_equals_kl_surrogate_reward_preset(case):
     flagged, _, _ = case.ppo_grad(config, advantages=ours.batch["advantages"])
     task, _, _ = case.ppo_grad(config, advantages=scores_only.batch["advantages"])
     mask = case.tokens["response_mask"]
-    kl = case.surrogate_grad(preset="reward", beta=per_sequence_beta(BETA, mask, "token-mean"), group=GROUPS)
+    kl = case.surrogate_grad(preset="reward", beta=per_sequence_beta(BETA, mask, "token-mean"), group=GROUPS,
+                             task=TaskAdvantages(scores_only.batch["advantages"], BETA, normalized=True))
     err = ((flagged - task - kl).norm() / kl.norm()).item()
     assert err < 1e-4, err
 
@@ -147,7 +160,7 @@ def test_environment_flag_selects_the_reward_path(case):
     by_env, _ = run("v0", "kl", "grpo", case)
     activation.disable()
     scores_only, _ = run("v0", None, "grpo", case)
-    torch.testing.assert_close(by_env.batch["advantages"], scores_only.batch["advantages"] + kl_to_go(case))
+    torch.testing.assert_close(by_env.batch["advantages"], scores_only.batch["advantages"] + kl_to_go(case, scores_only))
 
 
 @pytest.mark.parametrize("kl_penalty, env, error", [

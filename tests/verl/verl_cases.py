@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, B, P, R = 64, 8, 4, 6
+#: the tiny models' end-of-sequence id (LlamaConfig's eos_token_id; engine_check's tokenizer names it too)
+EOS_ID = 2
 #: verl/__init__ loads the ``verl.plugins`` entry points from 0.9.0 on; in verl 0.8.0 only KL_ADAPTERS or
 #: ``actor_rollout_ref.model.external_lib=kl_adapters.adapters.verl_plugin`` bring the adapter into a process
 LOADS_ENTRY_POINTS = importlib.metadata.version("verl") != "0.8.0"
@@ -40,13 +42,16 @@ def perturbed(model, scale: float, seed: int):
 
 
 def make_tokens(seed: int = 0, batch: int = B):
-    """prompts [B, P], responses [B, R] (zero past each ragged length), attention_mask [B, P + R], response_mask."""
+    """prompts [B, P], responses [B, R] (zero past each ragged length; a response shorter than R ends with EOS_ID, as
+    a rollout's does), attention_mask [B, P + R], response_mask."""
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, VOCAB, (batch, P), generator=gen)
     lengths = torch.randint(1, R + 1, (batch,), generator=gen)
     lengths[0] = R  # at least one full-length response
     response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
     responses = torch.randint(3, VOCAB, (batch, R), generator=gen) * response_mask
+    last = (torch.arange(R)[None] == lengths[:, None] - 1) & (lengths[:, None] < R)
+    responses = torch.where(last, EOS_ID, responses)
     attention_mask = torch.cat([torch.ones(batch, P, dtype=torch.long), response_mask], 1)
     return {"prompts": prompts, "responses": responses, "attention_mask": attention_mask,
             "response_mask": response_mask}
@@ -54,11 +59,20 @@ def make_tokens(seed: int = 0, batch: int = B):
 
 def flat_log_probs(model, tokens) -> torch.Tensor:
     """log p(x_{t+1} | x_<=t) over the real tokens, flattened: the engines' model_output["log_probs"]."""
+    return flat_outputs(model, tokens)["log_probs"]
+
+
+def flat_outputs(model, tokens) -> dict[str, torch.Tensor]:
+    """One forward's model_output as the adapter's FSDP-engine hook makes it under a reduced preset: "log_probs" and,
+    in the same flattened layout, pi(EOS_ID | x_<=t) (softmax of the logits, detached) and whether x_{t+1} is EOS_ID."""
+    from kl_adapters.adapters.verl import EOS_PROB, IS_EOS
+
     ids = torch.cat([tokens["prompts"], tokens["responses"]], 1)
     attn = tokens["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    lp = torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
-    return F.pad(lp, (0, 1))[attn.bool()]
+    log_pi = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float().log_softmax(-1)
+    outputs = {"log_probs": log_pi.gather(2, ids[:, 1:, None]).squeeze(-1), EOS_PROB: log_pi[..., EOS_ID].detach().exp(),
+               IS_EOS: ids[:, 1:] == EOS_ID}
+    return {key: F.pad(x, (0, 1))[attn.bool()] for key, x in outputs.items()}
 
 
 def padded(flat: torch.Tensor, tokens) -> torch.Tensor:
@@ -118,12 +132,40 @@ class Case:
         kw.setdefault("advantages", self.advantages)
         return ppo_data(self.tokens, old_log_probs=self.old, ref_log_prob=self.ref, **kw)
 
-    def ppo_grad(self, config, **data_kw):
-        """Gradient of verl's ppo_loss (whatever is bound in verl.workers.utils.losses now), with its metrics."""
+    def ppo_grad(self, config, *, eos: bool = False, uid=None, **data_kw):
+        """Gradient of verl's ppo_loss (whatever is bound in verl.workers.utils.losses now), with its metrics.
+        eos: model_output carries the end-of-sequence probabilities (`flat_outputs`); uid: verl's GRPO group column."""
         from verl.workers.utils import losses
 
-        loss, metrics = losses.ppo_loss(config, {"log_probs": self.log_probs()}, self.data(**data_kw))
+        data = self.data(**data_kw)
+        if uid is not None:
+            data["uid"] = uid
+        model_output = flat_outputs(self.model, self.tokens) if eos else {"log_probs": self.log_probs()}
+        loss, metrics = losses.ppo_loss(config, model_output, data)
         return flat_grad(loss, self.model), loss.detach(), metrics
+
+    def task(self, coef: float = 0.3, normalized: bool = True):
+        """The task term the adapter hands the core on the loss path: the advantages, kl_loss_coef, and whether the
+        driver's runtime_env says they are normalized (the default when it says nothing)."""
+        from kl_adapters import TaskAdvantages
+
+        return TaskAdvantages(self.advantages, coef, normalized=normalized)
+
+    def eos(self):
+        """EndOfSequence of the current policy on this batch, from the same forward as ppo_grad(eos=True), padded."""
+        from kl_adapters import EndOfSequence
+        from kl_adapters.adapters.verl import EOS_PROB, IS_EOS
+
+        with torch.no_grad():
+            outputs = flat_outputs(self.model, self.tokens)
+        prob, is_eos = (padded(outputs[key].float(), self.tokens) for key in (EOS_PROB, IS_EOS))
+        return EndOfSequence(prob, is_eos > 0.5, R)
+
+    def reduced(self, preset: str, coef: float = 0.3) -> dict:
+        """kl_surrogate's task for the presets with batch statistics ({} for the others): what ppo_loss alone passes."""
+        from kl_adapters import get_preset
+
+        return {"task": self.task(coef)} if get_preset(preset).uses_batch_statistics else {}
 
     def surrogate_grad(self, **kl_kwargs):
         """Gradient of kl_surrogate on the same padded tensors ppo_loss sees."""
@@ -141,6 +183,7 @@ class LossWorker:
     def run(self, kl_loss_type: str, preset: str, coef: float = 0.3, *, external_lib: bool = False) -> dict:
         """external_lib: first import the plugin, as verl's workers do for ``model.external_lib``."""
         import os
+        from pathlib import Path
 
         if external_lib:
             import kl_adapters.adapters.verl_plugin  # noqa: F401
@@ -152,8 +195,9 @@ class LossWorker:
         flagged, _, metrics = case.ppo_grad(actor_config(kl_loss_type=kl_loss_type, kl_loss_coef=coef))
         task, _, _ = case.ppo_grad(actor_config(use_kl_loss=False))
         beta = per_sequence_beta(coef, case.tokens["response_mask"], "token-mean")
-        kl = case.surrogate_grad(preset=preset, beta=beta)
+        kl = case.surrogate_grad(preset=preset, beta=beta, **case.reduced(preset, coef))
         return {"pid": os.getpid(), "active": str(activation.active()),
+                "kl_adapters": str(Path(activation.__file__).resolve().parent),
                 "patched": hasattr(losses.kl_penalty, "__kl_adapters_original__"),
                 "kl_error": float((flagged - task - kl).norm() / kl.norm()),
                 "metrics": sorted(k for k in metrics if k.startswith("kl_adapters/"))}

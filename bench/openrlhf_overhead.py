@@ -101,7 +101,8 @@ def kl_term_fn(tensors, old, base):
         (aggregate_loss(kl, mask, **info) * BETA).backward()
 
     def patched():  # the context the patched training_step sets around OpenRLHF's own
-        token = adapter._loss_step.set(adapter._LossStep(kl_adapters.activation.active(), exp, info, stats))
+        token = adapter._loss_step.set(adapter._LossStep(kl_adapters.activation.active(), exp, info, stats,
+                                                         horizon=mask.shape[1]))
         try:
             run()
         finally:

@@ -196,6 +196,16 @@ def check_beta(beta: float | Tensor) -> None:
         raise ValueError(f"beta must be finite and >= 0, got {value}")
 
 
+def check_discount(discount: float, preset) -> None:
+    """discount (gamma of the future-KL return) is a number in (0, 1]; < 1 only for a preset that has that return."""
+    if isinstance(discount, bool) or not isinstance(discount, numbers.Real) or not 0.0 < discount <= 1.0:
+        raise ValueError(f"discount must be a number in (0, 1] (1 = the exact sequence-level KL gradient), got "
+                         f"{discount!r}")
+    if discount < 1.0 and not preset.discountable:
+        raise ValueError(f"preset {preset.name!r} has no future-KL return to discount, so discount={discount} would be "
+                         "a silent no-op; discountable: sequence, reward, sequence-plain, reward-plain, full")
+
+
 def check_is_clip(is_clip: float | None) -> None:
     """is_clip, when given, is the cap on importance weights: a finite number >= 1."""
     if is_clip is None:

@@ -131,6 +131,7 @@ def preset_moments(
     behaviour_logits: Tensor | None = None,
     beta: float = 1.0,
     is_clip: float | None = None,
+    discount: float = 1.0,
 ) -> Moments:
     """Exact E[g], tr Cov[g] and E[value] of `kl_surrogate` on one sampled sequence, sampling from pi or mu."""
     theta = logits.detach().clone().requires_grad_(True)
@@ -142,7 +143,7 @@ def preset_moments(
     for i in range(space.num_sequences):
         row = slice(i, i + 1)
         out = kl_surrogate(lp[row], ref[row], space.mask[row], preset=preset, beta=beta,
-                           old_logp=None if old is None else old[row], is_clip=is_clip)
+                           old_logp=None if old is None else old[row], is_clip=is_clip, discount=discount)
         grads.append(torch.autograd.grad(out, theta, retain_graph=True)[0].flatten())
         values.append(out.detach())
     g = torch.stack(grads)
@@ -164,6 +165,7 @@ def batch_moments(
     rewards: Tensor | None = None,
     normalized: bool = False,
     eos: bool = False,
+    discount: float = 1.0,
     chunk: int = 16384,
 ) -> tuple[Tensor, float]:
     """Exact E[g] and tr Cov[g] of the batch gradient g of `kl_surrogate` on G = group_size i.i.d. sequences.
@@ -205,9 +207,10 @@ def batch_moments(
         if spec.uses_batch_statistics:
             extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos)
             stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group,
-                                                  **extra), "eos": extra.get("eos")}
+                                                  preset=spec, discount=discount, **extra), "eos": extra.get("eos")}
                      if precomputed else {"group": group, **extra})
-        c = kl_coefficients(lp[rows], ref[rows], space.mask[rows], preset=spec, old_logp=old_rows, **stats)
+        c = kl_coefficients(lp[rows], ref[rows], space.mask[rows], preset=spec, old_logp=old_rows, discount=discount,
+                            **stats)
         values = c[..., None] * score[rows] / group_size  # [C * G, T, V]; c = 0 at padding
         batch_of_row = torch.arange(len(batch_ids)).repeat_interleave(group_size)
         g = torch.zeros(len(batch_ids) * num_params, dtype=DTYPE)
@@ -290,6 +293,8 @@ class AuditRow:
     batch_variance: dict[int, float] | None = None
     #: G -> |E g - grad KL_seq| / |grad KL_seq| over every batch of G sequences
     batch_bias: dict[int, float] | None = None
+    #: gamma of the future-KL return (< 1: the bias-variance dial, whose bias this row measures)
+    discount: float = 1.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -305,48 +310,55 @@ def audit(
     off_policy: float = 0.5,
     is_clip: float | None = 2.0,
     batch_sizes: tuple[int, ...] = (),
+    discount: float | None = None,
 ) -> list[AuditRow]:
     """Audit every preset on- and off-policy on one random tabular problem (beta = 1).
 
     Adds one row for "sequence" with its importance weights capped at `is_clip` (off-policy) to measure that option's
-    bias; pass is_clip=None to skip it. A preset with batch statistics is a batch estimator (its one-sample row is its
+    bias; pass is_clip=None to skip it; likewise rows for "sequence" with its future-KL return discounted by
+    `discount` (< 1, the bias-variance dial), on- and off-policy. A preset with batch statistics is a batch estimator (its one-sample row is its
     single-sample form): for each G in batch_sizes its bias and G * tr Cov over every ordered batch of G sequences
     (`batch_moments`) go in batch_bias / batch_variance (for an i.i.d. preset G * tr Cov = var at every G).
     """
     pol = random_policies(vocab, horizon, seed, drift=drift, off_policy=off_policy)
     kl = float(kl_seq(pol.space, pol.logits, pol.ref_logits))
-    runs = [(name, regime, None) for name in (presets or tuple(SAMPLED_TOKEN_PRESETS)) for regime in ("on-policy", "off-policy")]
+    runs = [(name, regime, None, 1.0) for name in (presets or tuple(SAMPLED_TOKEN_PRESETS))
+            for regime in ("on-policy", "off-policy")]
     if is_clip is not None:
-        runs.append(("sequence", "off-policy", is_clip))
+        runs.append(("sequence", "off-policy", is_clip, 1.0))
+    if discount is not None:
+        runs += [("sequence", regime, None, discount) for regime in ("on-policy", "off-policy")]
     rows, cache = [], {}
-    for name, regime, clip in runs:
+    for name, regime, clip, gamma in runs:
         spec = get_preset(name)
         sampler = pol.logits if regime == "on-policy" else pol.behaviour_logits
         if regime not in cache:
             cache[regime] = targets(pol.space, pol.logits, pol.ref_logits, sampler)
         tg = cache[regime]
-        mom = preset_moments(pol.space, pol.logits, pol.ref_logits, spec, is_clip=clip,
+        mom = preset_moments(pol.space, pol.logits, pol.ref_logits, spec, is_clip=clip, discount=gamma,
                              behaviour_logits=None if regime == "on-policy" else pol.behaviour_logits)
         target = spec.target_on_policy if regime == "on-policy" else spec.target_off_policy
-        if clip is not None:
-            target = None  # a capped estimator has no exact target: its row measures the bias of the cap
+        if clip is not None or gamma < 1.0:
+            target = None  # a capped / discounted estimator has no exact target: its row measures the bias
         rows.append(AuditRow(
             preset=name, regime=regime, is_clip=clip,
             relative_bias=relative_error(mom.mean, tg["kl_seq"]), cosine=cosine(mom.mean, tg["kl_seq"]),
             variance=mom.variance, target=target,
             target_error=None if target is None else relative_error(mom.mean, tg[target]),
             value_bias=abs(mom.value_mean - kl) / kl,
-            **_batch_columns(pol, spec, regime, tg["kl_seq"], batch_sizes if clip is None else ()),
+            **_batch_columns(pol, spec, regime, tg["kl_seq"], batch_sizes if clip is None else (), gamma),
+            discount=gamma,
         ))
     return rows
 
 
-def _batch_columns(pol: Policies, spec: Preset, regime: str, exact: Tensor, sizes: tuple[int, ...]) -> dict:
+def _batch_columns(pol: Policies, spec: Preset, regime: str, exact: Tensor, sizes: tuple[int, ...],
+                   discount: float = 1.0) -> dict:
     if not (spec.uses_batch_statistics and sizes):
         return {}
     behaviour = None if regime == "on-policy" else pol.behaviour_logits
-    moments = {g: batch_moments(pol.space, pol.logits, pol.ref_logits, spec, g, behaviour_logits=behaviour)
-               for g in sizes}
+    moments = {g: batch_moments(pol.space, pol.logits, pol.ref_logits, spec, g, behaviour_logits=behaviour,
+                                discount=discount) for g in sizes}
     return {"batch_variance": {g: g * var for g, (_, var) in moments.items()},
             "batch_bias": {g: relative_error(mean, exact) for g, (mean, _) in moments.items()}}
 
@@ -355,7 +367,8 @@ def format_table(rows: list[AuditRow], *, vocab: int, horizon: int, seed: int) -
     """Plain-text table: one line per preset, on-policy and off-policy side by side."""
     by = {}
     for r in rows:
-        label = r.preset if r.is_clip is None else f"{r.preset} (is_clip={r.is_clip:g})"
+        label = (f"{r.preset} (is_clip={r.is_clip:g})" if r.is_clip is not None
+                 else f"{r.preset} (discount={r.discount:g})" if r.discount < 1.0 else r.preset)
         by.setdefault(label, {})[r.regime] = r
     space = sequence_space(vocab, horizon)
     head = (f"exact audit: V={vocab} (incl. EOS), T={horizon}, seed={seed}, {space.num_sequences} sequences, "

@@ -5,15 +5,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
 def _audit(args: argparse.Namespace) -> int:
     from .audit import audit, format_table, kl_seq, random_policies
 
-    sizes = tuple(int(g) for g in args.batch_sizes.split(",") if g.strip())
+    try:
+        sizes = tuple(int(g) for g in args.batch_sizes.split(",") if g.strip())
+    except ValueError:
+        return _refuse("audit", f"--batch-sizes must be comma-separated integers, e.g. 1,2,3; got {args.batch_sizes!r}")
+    problems = [msg for bad, msg in (
+        (args.vocab < 2, f"--vocab must be >= 2 (one token is EOS), got {args.vocab}"),
+        (args.horizon < 1, f"--horizon must be >= 1, got {args.horizon}"),
+        (any(g < 1 for g in sizes), f"--batch-sizes must be >= 1, got {args.batch_sizes!r}"),
+        (args.discount is not None and not 0 < args.discount < 1, f"--discount must be in (0, 1), got {args.discount}"),
+    ) if bad]
+    if problems:
+        return _refuse("audit", problems[0])
     rows = audit(args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy,
-                 is_clip=None if args.is_clip <= 0 else args.is_clip, batch_sizes=sizes)
+                 is_clip=None if args.is_clip <= 0 else args.is_clip, batch_sizes=sizes, discount=args.discount)
     if args.json:
         pol = random_policies(args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy)
         doc = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
@@ -72,7 +84,16 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo.run import main
 
-    return main(args)
+    try:
+        return main(args)
+    except ModuleNotFoundError as err:  # the demo trains with TRL: a package of its environment is missing
+        return _refuse("demo", f"needs TRL's environment ({err}): run `bash scripts/demo.sh`, which builds .venvs/trl, "
+                               "or install the pins of envs/trl.txt")
+
+
+def _refuse(command: str, message: str) -> int:
+    print(f"kl-adapters {command}: {message}", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-sizes", default="", metavar="G,G,...",
                    help="also audit the batch estimators (sequence, reward) over every batch of G sequences, e.g. "
                         "1,2,3 (N^G batches: G = 3 at the default V, T takes minutes)")
+    a.add_argument("--discount", type=float, default=None, metavar="GAMMA",
+                   help="also audit 'sequence' with its future-KL return discounted by GAMMA in (0, 1): the "
+                        "bias-variance dial's exact bias (and variance)")
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=_audit)
     d = sub.add_parser("demo", help="train a tiny transformer with TRL under each KL configuration; exact evaluation")
@@ -112,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the output was piped into a reader that stopped (e.g. `| head`): nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

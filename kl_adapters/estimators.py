@@ -44,6 +44,24 @@ def capped(log_x: Tensor) -> Tensor:
     return log_x.clamp(max=0.5 * math.log(torch.finfo(log_x.dtype).max))
 
 
-def reverse_cumsum(x: Tensor) -> Tensor:
-    """y_t = sum_{s >= t} x_s along the last dimension (reward-to-go with gamma = 1)."""
-    return x.flip(-1).cumsum(-1).flip(-1)
+def reverse_cumsum(x: Tensor, discount: float = 1.0) -> Tensor:
+    """y_t = sum_{s >= t} discount^(s - t) x_s along the last dimension (reward-to-go; discount 1: the plain sum).
+
+    A discount < 1 runs in blocks short enough that discount^-length stays below e^30 (scaled cumulative sums within
+    a block, carried across blocks), so no power overflows at any length. Pinned by
+    tests/core/test_discount.py::test_discounted_reverse_cumsum_equals_the_recursion."""
+    if discount == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    width = x.shape[-1]
+    block = max(1, min(width, int(30.0 / -math.log(discount))))
+    n_blocks = -(-width // block)
+    padded = torch.nn.functional.pad(x, (0, n_blocks * block - width)).unflatten(-1, (n_blocks, block))
+    powers = discount ** torch.arange(block, dtype=x.dtype, device=x.device)
+    within = (padded * powers).flip(-1).cumsum(-1).flip(-1) / powers  # the sum to the end of each block
+    carry = torch.zeros_like(within[..., 0, 0])
+    out = torch.empty_like(within)
+    tail = discount ** (block - torch.arange(block, dtype=x.dtype, device=x.device))  # discount^(block - j)
+    for k in range(n_blocks - 1, -1, -1):  # y at block k's positions = within + discount^(block - j) y_(next block)
+        out[..., k, :] = within[..., k, :] + tail * carry[..., None]
+        carry = out[..., k, 0]
+    return out.flatten(-2)[..., :width]

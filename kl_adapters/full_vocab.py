@@ -51,9 +51,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._validate import (check_batch, check_beta, check_eos, check_group, check_statistics, check_statistics_options,
-                        check_task, eos_rule)
+from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_statistics,
+                        check_statistics_options, check_task, eos_rule)
 from .estimators import capped, reverse_cumsum, working_dtype
+from .presets import FULL
 from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum, past_kl,
                          relative_returns, same_group, score_weight, task_in_kl_units, termination_increments)
 
@@ -79,7 +80,7 @@ def _next(x: Tensor) -> Tensor:
 
 def full_statistics(kl: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *, old_logp: Tensor | None = None,
                     group: Tensor | None = None, task: TaskAdvantages | None = None,
-                    eos: EndOfSequence | None = None) -> KLStatistics:
+                    eos: EndOfSequence | None = None, discount: float = 1.0) -> KLStatistics:
     """Leave-one-out statistics of `full` (`reductions.KLStatistics`) from a [B, T] batch: exact per-token KL_t (kl,
     detached), the sampled tokens' log-probs under both models (logp, ref_logp) and the behaviour policy's (old_logp,
     None = on-policy), fitted with the trainer's `task` advantages and the termination control variate from `eos`.
@@ -90,6 +91,7 @@ def full_statistics(kl: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *,
     sampling noise `full` removes) and the termination one (eos_coef = -rho kappa_b, kappa_b the mean exact KL per
     token). Compute it on the whole rollout batch and pass slices of it as `statistics=` to the loss on micro-batches.
     """
+    check_discount(discount, FULL)
     finite = {}
     for value, check in ((task, check_task), (eos, check_eos)):
         if value is not None:
@@ -104,16 +106,16 @@ def full_statistics(kl: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *,
     task = None if task is None else TaskAdvantages(torch.where(m, (task.advantages if task.advantages.dim() == 2 else
                                                                     task.advantages[:, None]).detach().to(dtype), 0.0),
                                                     task.beta, task.normalized)
-    eta = None if eos is None else termination_increments(eos, mf, dtype)
-    return _statistics(torch.where(m, kl.detach().to(dtype), 0.0), k1, lp, log_rho, mf, eta, task, group)
+    eta = None if eos is None else termination_increments(eos, mf, dtype, discount)
+    return _statistics(torch.where(m, kl.detach().to(dtype), 0.0), k1, lp, log_rho, mf, eta, task, group, discount)
 
 
 def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Tensor, eta: Tensor | None,
-                task: TaskAdvantages | None, group: Tensor | None) -> KLStatistics:
+                task: TaskAdvantages | None, group: Tensor | None, discount: float = 1.0) -> KLStatistics:
     """`full_statistics` from validated, detached terms in the working dtype (zero at padding)."""
     same = same_group(group)
     channels = [_next(kl), k1] + ([] if eta is None else [eta])
-    ret = relative_returns(torch.stack(channels, 1), mask, log_rho)
+    ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
     future = ret[:, 0]  # sum_{s>t} w_{t+1:s-1} KL_s
     returns = Returns(ret=future, cv=torch.zeros_like(kl), past=past_kl(k1, mask),
                       eos=None if eta is None else ret[:, 2] - eta, resample=ret[:, 1] - k1 - future)
@@ -124,23 +126,24 @@ def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Ten
 
 
 def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics,
-                      eta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      eta: Tensor | None = None, discount: float = 1.0) -> tuple[Tensor, Tensor]:
     """The detached weights of `full` on a [B, T] batch: (pathwise weight w_{1:t-1} on grad KL_t, score weight
     sum_{s>t} w_{1:s-1} KL_s + sum_{s>t} (a (w_{1:s} k1_s - w_{1:s-1} KL_s) + h w_{1:s} eta_s) + w_{1:t}
     (lambda Pi_t - m_t) on g_t), both zero at padding (reductions.py: the control variates and the baseline).
 
     kl: exact per-token KL_t; k1: log pi/pi_ref at the sampled tokens; log_rho: log pi/mu there (zeros on-policy);
-    mask: 0/1 in kl's dtype; eta: `reductions.termination_increments` or None.
+    mask: 0/1 in kl's dtype; eta: `reductions.termination_increments` or None; discount: gamma of the future terms
+    (sum_{s>t} gamma^(s-t) ...; 1 = exact).
     """
     log_w = (log_rho * mask).cumsum(-1)
     w = torch.exp(capped(log_w)) * mask
-    future_kl = reverse_cumsum(w * _next(kl * mask))  # sum_{s>t} w_{1:s-1} KL_s
-    future_k1 = reverse_cumsum(w * k1) - w * k1  # sum_{s>t} w_{1:s} k1_s
+    future_kl = discount * reverse_cumsum(w * _next(kl * mask), discount)  # sum_{s>t} gamma^(s-t) w_{1:s-1} KL_s
+    future_k1 = reverse_cumsum(w * k1, discount) - w * k1  # sum_{s>t} gamma^(s-t) w_{1:s} k1_s
     a = statistics.cv_coef[:, None]
     score = future_kl + a * (future_k1 - future_kl) + w * (statistics.past_coef[:, None] * past_kl(k1, mask)
                                                            - statistics.baseline)
     if eta is not None:
-        score = score + statistics.eos_coef[:, None] * (reverse_cumsum(w * eta) - w * eta)
+        score = score + statistics.eos_coef[:, None] * (reverse_cumsum(w * eta, discount) - w * eta)
     return _path_weights(log_w, mask), score * mask
 
 
@@ -199,6 +202,7 @@ class _Options:
     group: Tensor | None
     task: TaskAdvantages | None
     eos: EndOfSequence | None
+    discount: float = 1.0
 
 
 def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], tokens: Tensor, mask: Tensor,
@@ -265,18 +269,18 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
     kl = scatter(kl_flat)
     lp = logp_ if given is None else given
     log_rho, k1 = log_rho_of(lp), (lp - ref_logp) * mf
-    eta = None if eos is None else termination_increments(eos, mf, dtype)
+    eta = None if eos is None else termination_increments(eos, mf, dtype, options.discount)
     if statistics is None:
         if task is not None:
             adv = task.advantages.detach().to(dtype)
             task = TaskAdvantages(torch.where(m, adv if adv.dim() == 2 else adv[:, None], 0.0), task.beta,
                                   task.normalized)
-        stats = _statistics(kl, k1, lp, log_rho, mf, eta, task, options.group)
+        stats = _statistics(kl, k1, lp, log_rho, mf, eta, task, options.group, options.discount)
     else:  # padding of a given baseline may hold anything, NaN too
         stats = KLStatistics(*(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef,
                                                               statistics.past_coef)),
                              torch.where(m, statistics.baseline.detach().to(dtype), 0.0))
-    path_w, score_c = full_coefficients(kl, k1, log_rho, mf, stats, eta)
+    path_w, score_c = full_coefficients(kl, k1, log_rho, mf, stats, eta, options.discount)
     if given is None:
         path_flat, score_flat = path_w.flatten()[flat] / max(batch, 1), score_c.flatten()[flat] / max(batch, 1)
         for start in range(0, flat.numel(), chunk_size):  # pass 2: the gradient with respect to each chunk's logits
@@ -350,13 +354,14 @@ def _with_score_term(value: Tensor, score: Tensor, logp: Tensor | None, mask: Te
 
 
 def _options(beta: float | Tensor, chunk_size: int, statistics: KLStatistics | None, group: Tensor | None,
-             task: TaskAdvantages | None, eos: EndOfSequence | None) -> _Options:
+             task: TaskAdvantages | None, eos: EndOfSequence | None, discount: float) -> _Options:
     """The public functions' common checks; their statistics-related arguments as one `_Options`."""
     check_beta(beta)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check_statistics_options(statistics, group, task)
-    return _Options(statistics, group, task, eos)
+    check_discount(discount, FULL)
+    return _Options(statistics, group, task, eos, discount)
 
 
 def _check_logps(old_logp: Tensor | None, logp: Tensor | None, tokens: Tensor) -> None:
@@ -384,6 +389,7 @@ def full_kl_surrogate(
     group: Tensor | None = None,
     task: TaskAdvantages | None = None,
     eos: EndOfSequence | None = None,
+    discount: float = 1.0,
     chunk_size: int = CHUNK_SIZE,
 ) -> Tensor:
     """Preset `full` from both models' logits at the completion positions: a 0-dim loss term to add to a minimized loss.
@@ -399,7 +405,7 @@ def full_kl_surrogate(
     autograd graph (e.g. the ones the task loss uses): one pass over the chunks instead of two, the score part of the
     gradient flowing through logp (module docstring, "Passes"). Pinned by tests/core/test_full_vocab.py.
     """
-    options = _options(beta, chunk_size, statistics, group, task, eos)
+    options = _options(beta, chunk_size, statistics, group, task, eos, discount)
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
@@ -427,6 +433,7 @@ def full_kl_surrogate_from_hidden(
     group: Tensor | None = None,
     task: TaskAdvantages | None = None,
     eos: EndOfSequence | None = None,
+    discount: float = 1.0,
     chunk_size: int = CHUNK_SIZE,
 ) -> Tensor:
     """`full_kl_surrogate` with logits = hidden @ weight.T (policy) and ref_hidden @ ref_weight.T (reference), computed
@@ -437,7 +444,7 @@ def full_kl_surrogate_from_hidden(
     O(chunk_size x V) plus a float32 [V, H] gradient accumulator (tests/core/test_full_vocab.py::
     test_hidden_path_never_materializes_full_logits).
     """
-    options = _options(beta, chunk_size, statistics, group, task, eos)
+    options = _options(beta, chunk_size, statistics, group, task, eos, discount)
     for name, t in (("hidden", hidden), ("weight", weight), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")

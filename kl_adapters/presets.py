@@ -54,6 +54,12 @@ class Terms:
     eta: Tensor | None = None
     #: the trainer's task advantages, [B, T] in the working dtype and zero at padding; None without a task term
     task: TaskAdvantages | None = None
+    #: gamma of the future-KL return (1: the exact sequence-level KL gradient; < 1: the biased dial, `Preset.discountable`)
+    discount: float = 1.0
+
+    def to_go(self, x: Tensor) -> Tensor:
+        """sum_{s>=t} gamma^(s-t) x_s (estimators.reverse_cumsum with this batch's discount)."""
+        return reverse_cumsum(x, self.discount)
 
     def token_ratio(self) -> Tensor:
         """rho_t = pi/mu per token, capped at is_clip when set (1 on-policy)."""
@@ -116,6 +122,8 @@ class Preset:
     weighted_returns: bool = True
     #: needs both models' full next-token distributions, not sampled-token log-probs (`full`, full_vocab.py)
     needs_full_logits: bool = False
+    #: has a future-KL return that a discount < 1 can shorten (the bias-variance dial; exact only at discount 1)
+    discountable: bool = False
 
     @property
     def uses_importance_weights(self) -> bool:
@@ -124,12 +132,12 @@ class Preset:
 
 def _sequence_plain(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} k1_s: pathwise reverse term w_{1:t} k1_t + detached per-decision future-KL return.
-    return reverse_cumsum(t.prefix_weights * t.k1)
+    return t.to_go(t.prefix_weights * t.k1)
 
 
 def _reward_plain(t: Terms) -> Tensor:
     # c_t = rho_t * sum_{s>=t} k1_s: k1 reward-to-go in the advantage, PPO-style per-token ratio off-policy.
-    return t.token_ratio() * reverse_cumsum(t.k1)
+    return t.token_ratio() * t.to_go(t.k1)
 
 
 def _reductions(t: Terms) -> tuple[Tensor, Tensor]:
@@ -149,14 +157,14 @@ def _sequence(t: Terms) -> Tensor:
     # weight with the control variates and the baseline (reductions.py); same expectation, on- and off-policy.
     cv, baseline = _reductions(t)
     w = t.prefix_weights
-    return reverse_cumsum(w * (t.k1 + cv)) + w * (baseline - cv)
+    return t.to_go(w * (t.k1 + cv)) + w * (baseline - cv)
 
 
 def _reward(t: Terms) -> Tensor:
     # c_t = rho_t (sum_{s>=t} k1_s + sum_{s>t} (a xi_s + h eta_s) + lambda Pi_t - m_t): reward-plain with the same
     # reductions (exact on-policy).
     cv, baseline = _reductions(t)
-    return t.token_ratio() * (reverse_cumsum(t.k1 + cv) + baseline - cv)
+    return t.token_ratio() * (t.to_go(t.k1 + cv) + baseline - cv)
 
 
 def _reward_sum(t: Terms) -> Tensor:
@@ -203,6 +211,7 @@ _SEQUENCE = Preset(
     theory_row="#10 on-policy, #20 off-policy, + control variate and baseline",
     coefficients=_sequence,
     uses_batch_statistics=True,
+    discountable=True,
 )
 _REWARD = Preset(
     name="reward",
@@ -219,6 +228,7 @@ _REWARD = Preset(
     coefficients=_reward,
     uses_batch_statistics=True,
     weighted_returns=False,
+    discountable=True,
 )
 
 _ALL = (
@@ -352,6 +362,7 @@ FULL = Preset(
     coefficients=_needs_full_logits,
     uses_batch_statistics=True,
     needs_full_logits=True,
+    discountable=True,
 )
 
 #: every preset by name, `full` included: the one registry that the API, the commands, the adapters and the doctor read

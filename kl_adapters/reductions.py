@@ -149,14 +149,19 @@ def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
     return torch.expm1(capped(-k1)) * mask
 
 
-def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """eta_t = nu_t (p_t - e_t) at real tokens, 0 at padding (module docstring): zero mean under pi given y_<t."""
+def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype, discount: float = 1.0) -> Tensor:
+    """eta_t = nu_t (p_t - e_t) at real tokens, 0 at padding (module docstring): zero mean under pi given y_<t.
+    With a discount gamma (`discount`), nu_t = sum_{k=1}^{n_t} gamma^k (1 - p_t)^(k - 1) = gamma (1 - q^n_t) / (1 - q),
+    q = gamma (1 - p_t): the discounted count of the positions a stop gives up (n_t as q -> 1)."""
     width = mask.shape[-1]
     horizon = width if eos.horizon is None else eos.horizon
     p = torch.where(mask != 0, eos.prob.detach().to(dtype), 0.0).clamp(0.0, 1.0)
     after = (horizon - 1 - torch.arange(width, dtype=dtype, device=mask.device)).clamp(min=0).expand_as(p)
-    tiny = p < 1e-12
-    nu = torch.where(tiny, after, -torch.expm1(after * torch.log1p(-p.clamp(max=1 - 1e-12))) / p.clamp(min=1e-12))
+    q = discount * (1 - p)
+    near_one = q > 1 - 1e-12
+    nu = torch.where(near_one, discount * after,
+                     discount * -torch.expm1(after * torch.log(q.clamp(min=1e-300, max=1 - 1e-12))) / (1 - q).clamp(
+                         min=1e-12))
     return nu * (p - eos.is_eos.to(dtype)) * mask
 
 
@@ -184,17 +189,17 @@ def others_sum(x: Tensor, same: Tensor | None) -> Tensor:
     return totals - x
 
 
-def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None) -> Tensor:
-    """R_t = sum_{s>=t} w_{t+1:s} x_s per channel of x [B, k, T] (zero at padding): a row's return from t given it
+def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None, discount: float = 1.0) -> Tensor:
+    """R_t = sum_{s>=t} discount^(s-t) w_{t+1:s} x_s per channel of x [B, k, T] (zero at padding): a row's return from t given it
     reached t. w_{t+1:s} = w_{1:s} / w_{1:t} is computed relative to the row's largest prefix weight, held at
     exp(LOG_RELATIVE_WEIGHT_FLOOR) where it is smaller (so neither underflows to 0 / 0 nor overflows in float32: only
     other rows' statistics read these returns, and any function of the other rows keeps the gradient exact, so the
     floor changes variance only, for rows whose weights have degenerated). log_rho None: on-policy (every w = 1)."""
     if log_rho is None:
-        return reverse_cumsum(x) * mask[:, None]
+        return reverse_cumsum(x, discount) * mask[:, None]
     log_w = log_rho.cumsum(-1)
     rel = torch.exp((log_w - log_w.max(-1, keepdim=True).values).clamp(min=LOG_RELATIVE_WEIGHT_FLOOR))[:, None]
-    return reverse_cumsum(rel * x) / rel * mask[:, None]
+    return reverse_cumsum(rel * x, discount) / rel * mask[:, None]
 
 
 def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
@@ -339,13 +344,14 @@ def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: Tensor, log_rho: Tensor | None,
-                             mask: Tensor, task: TaskAdvantages | None, group: Tensor | None) -> KLStatistics:
+                             mask: Tensor, task: TaskAdvantages | None, group: Tensor | None,
+                             discount: float = 1.0) -> KLStatistics:
     """The statistics of `sequence` / `reward` from a [B, T] batch's detached terms (zero at padding; cv = xi,
     eta = `termination_increments` or None, task advantages already [B, T]); log_rho None: unweighted returns (the
-    on-policy batch, or `reward`, whose return is unweighted)."""
+    on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the preset's."""
     same = same_group(group)
     channels = (k1, cv) if eta is None else (k1, cv, eta)
-    ret = relative_returns(torch.stack(channels, 1), mask, log_rho)
+    ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
     returns = Returns(ret=ret[:, 0], cv=ret[:, 1] - cv, past=past_kl(k1, mask),
                       eos=None if eta is None else ret[:, 2] - eta)
     cv_scale, kappa = token_coefficients(k1, cv, mask, same)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ._validate import (check_batch, check_beta, check_eos, check_group, check_is_clip, check_statistics,
-                        check_statistics_options, check_task, eos_rule)
+from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_is_clip,
+                        check_statistics, check_statistics_options, check_task, eos_rule)
 from .estimators import reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
 from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, sampled_token_statistics,
@@ -37,7 +37,7 @@ from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, sampled_to
 
 def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None,
            statistics: KLStatistics | None = None, task: TaskAdvantages | None = None,
-           eos: EndOfSequence | None = None):
+           eos: EndOfSequence | None = None, discount: float = 1.0):
     """Validate, cast to the working dtype, zero the padding before any nonlinearity; return (masked logp, Terms).
 
     Given statistics, task advantages and end-of-sequence probabilities are validated in the same host
@@ -65,21 +65,24 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
         advantages = task.advantages.detach().to(dtype)
         advantages = torch.where(m, advantages if advantages.dim() == 2 else advantages[:, None], zero)
         task = TaskAdvantages(advantages, task.beta, task.normalized)
-    eta = None if eos is None else termination_increments(eos, mf, dtype)
+    eta = None if eos is None else termination_increments(eos, mf, dtype, discount)
     return lp, Terms(k1=k1, log_rho=log_rho, mask=mf, is_clip=is_clip, statistics=stats, on_policy=old_logp is None,
-                     logp=lp_d, eta=eta, task=task)
+                     logp=lp_d, eta=eta, task=task, discount=discount)
 
 
 def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -> KLStatistics:
     """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it), from
     importance-weighted returns unless the preset's own return is unweighted (`Preset.weighted_returns`)."""
     weighted = not t.on_policy and (spec is None or spec.weighted_returns)
-    return sampled_token_statistics(t.k1, t.cv, t.eta, t.logp, t.log_rho if weighted else None, t.mask, t.task, group)
+    return sampled_token_statistics(t.k1, t.cv, t.eta, t.logp, t.log_rho if weighted else None, t.mask, t.task, group,
+                                    t.discount)
 
 
 def _check_options(spec: Preset, is_clip: float | None, statistics: KLStatistics | None, group: Tensor | None,
-                   task: TaskAdvantages | None, eos: EndOfSequence | None, computing: bool = False) -> None:
+                   task: TaskAdvantages | None, eos: EndOfSequence | None, computing: bool = False,
+                   discount: float = 1.0) -> None:
     """Refuse option combinations that would be silent no-ops (before any tensor is read)."""
+    check_discount(discount, spec)
     if spec.needs_full_logits:
         return  # refused with its own message by the preset's weight function
     if is_clip is not None and not spec.uses_importance_weights:
@@ -129,15 +132,15 @@ class KLTerm:
         return _surrogate(self, beta)
 
     def coefficients_of(self, preset: str | Preset, *, on_policy: bool = False) -> Tensor:
-        """Another preset's per-token weights on the same batch, without is_clip (e.g. a framework's native KL, for
-        the live bias signal); on_policy=True drops the importance ratios (a native loss that applies none)."""
+        """Another preset's per-token weights on the same batch, without is_clip or discount (e.g. a framework's native
+        KL, for the live bias signal); on_policy=True drops the importance ratios (a native loss that applies none)."""
         spec = get_preset(preset)
         terms = self.terms
         if spec.uses_batch_statistics and terms.statistics is None:
             terms = replace(terms, statistics=_statistics_of(terms, None, spec))
         if on_policy:
             terms = replace(terms, log_rho=torch.zeros_like(terms.log_rho), on_policy=True)
-        terms = replace(terms, is_clip=None)
+        terms = replace(terms, is_clip=None, discount=1.0)
         return spec.coefficients(terms) * terms.mask
 
 
@@ -160,17 +163,20 @@ def kl_term(
     group: Tensor | None = None,
     task: TaskAdvantages | None = None,
     eos: EndOfSequence | None = None,
+    discount: float = 1.0,
 ) -> KLTerm:
     """Validate the batch once and compute the preset's weights and the per-sequence KL estimate (see `KLTerm`).
 
     statistics: `kl_statistics` of a larger batch, sliced to these rows (only for presets with uses_batch_statistics);
     None = compute them from this batch, leave-one-out over its rows (within `group`, [B] integer ids, when given),
     fitted with `task` (the trainer's advantages). eos: the batch's end-of-sequence probabilities (the termination
-    control variate; needed with statistics computed with them).
+    control variate; needed with statistics computed with them). discount: gamma < 1 shortens the future-KL return of
+    a discountable preset (`Preset.discountable`: sequence, reward, their plain forms, full) to sum_{s>t} gamma^(s-t)
+    ...: lower variance at long horizons, biased (`kl-adapters audit --discount` measures it); 1 = exact.
     """
     spec = get_preset(preset)
-    _check_options(spec, is_clip, statistics, group, task, eos)
-    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics, task, eos)
+    _check_options(spec, is_clip, statistics, group, task, eos, discount=discount)
+    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics, task, eos, discount)
     if spec.uses_batch_statistics and statistics is None:
         check_group(group, logp)
         t = replace(t, statistics=_statistics_of(t, group, spec))
@@ -188,6 +194,7 @@ def kl_statistics(
     preset: str | Preset = "sequence",
     task: TaskAdvantages | None = None,
     eos: EndOfSequence | None = None,
+    discount: float = 1.0,
 ) -> KLStatistics:
     """Leave-one-out statistics (`KLStatistics`: coefficients [B], baseline [B, T]; detached, working dtype) of the
     reduced presets, fitted to the trainer's task + KL gradient when `task` gives its advantages.
@@ -203,8 +210,8 @@ def kl_statistics(
     if spec.needs_full_logits:
         raise ValueError("preset 'full' computes its statistics from both models' full distributions: use "
                          "kl_adapters.full_statistics")
-    _check_options(spec, None, None, group, task, eos, computing=True)
-    _, t = _terms(logp, ref_logp, mask, old_logp, None, None, task, eos)
+    _check_options(spec, None, None, group, task, eos, computing=True, discount=discount)
+    _, t = _terms(logp, ref_logp, mask, old_logp, None, None, task, eos, discount)
     check_group(group, logp)
     return _statistics_of(t, group, spec)
 
@@ -222,6 +229,7 @@ def kl_surrogate(
     group: Tensor | None = None,
     task: TaskAdvantages | None = None,
     eos: EndOfSequence | None = None,
+    discount: float = 1.0,
 ) -> Tensor:
     """The KL term to add to a minimized loss: a 0-dim tensor whose gradient is the preset's estimate.
 
@@ -245,7 +253,7 @@ def kl_surrogate(
     get_preset(preset)  # an unknown name is reported before anything else
     check_beta(beta)
     term = kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
-                   group=group, task=task, eos=eos)
+                   group=group, task=task, eos=eos, discount=discount)
     return _surrogate(term, beta)
 
 
@@ -261,6 +269,7 @@ def kl_coefficients(
     group: Tensor | None = None,
     task: TaskAdvantages | None = None,
     eos: EndOfSequence | None = None,
+    discount: float = 1.0,
 ) -> Tensor:
     """The preset's detached per-token gradient weights c [B, T]: grad(per-sequence term) = sum_t c_t grad logp_t.
 
@@ -268,7 +277,7 @@ def kl_coefficients(
     the other's, token by token (the live bias signal adapters log). statistics / group: as in `kl_term`.
     """
     return kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
-                   group=group, task=task, eos=eos).coefficients
+                   group=group, task=task, eos=eos, discount=discount).coefficients
 
 
 def kl_reward(

@@ -23,7 +23,7 @@ def problem(request):
     return random_policies(vocab, horizon, seed, drift=drift, off_policy=0.6)
 
 
-def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False, task=False):
+def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False, task=False, discount=1.0):
     """Exact E[grad] over every ordered batch of `size` sequences sampled from pi (or mu), in one call: the batches are
     stacked with one group id each (leave-one-out stays inside a batch) and each batch reads its own copy of the
     tabular logits, so one backward pass returns every batch's gradient. with_logp: the one-pass form, the score part
@@ -44,11 +44,11 @@ def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False, ta
         lp, lq = torch.log_softmax(logits.detach(), -1), torch.log_softmax(ref, -1)
         kl = (lp.exp() * (lp - lq)).sum(-1) * mask
         tok = token_logps(sp, pol.logits)[rows], token_logps(sp, pol.ref_logits)[rows]
-        stats = {"statistics": full_statistics(kl, *tok, mask, old_logp=old, group=group, **extra),
+        stats = {"statistics": full_statistics(kl, *tok, mask, old_logp=old, group=group, discount=discount, **extra),
                  "eos": extra.get("eos")}
     if with_logp:
         stats["logp"] = torch.log_softmax(logits, -1).gather(-1, sp.token[rows].clamp(min=0)[..., None])[..., 0]
-    loss = full_kl_surrogate(logits, ref, sp.token[rows], mask, old_logp=old, **stats) * len(batches)
+    loss = full_kl_surrogate(logits, ref, sp.token[rows], mask, old_logp=old, discount=discount, **stats) * len(batches)
     q = token_logps(sp, pol.logits if regime == "on-policy" else pol.behaviour_logits).sum(-1).exp()
     return torch.einsum("k,kij->ij", q[batches].prod(-1), torch.autograd.grad(loss, theta)[0]).flatten()
 
@@ -65,6 +65,18 @@ def test_full_is_exact_over_every_batch(problem, regime, size, precomputed, with
     sampler = problem.logits if regime == "on-policy" else problem.behaviour_logits
     target = targets(problem.space, problem.logits, problem.ref_logits, sampler)["kl_seq"]
     assert relative_error(_expected_gradient(problem, size, regime, precomputed, with_logp, task), target) < 1e-10
+
+
+@pytest.mark.parametrize("regime", ["on-policy", "off-policy"])
+@pytest.mark.parametrize("precomputed", [False, True])
+def test_reductions_stay_exact_relative_to_the_discounted_form(problem, regime, precomputed):
+    """With the bias-variance dial (discount 0.7): the reduced batch estimator (G = 3, fitted with a task and eos) has
+    the expectation of the unreduced one (G = 1), which differs from grad KL_seq."""
+    reduced = _expected_gradient(problem, 3, regime, precomputed, task="advantages", discount=0.7)
+    alone = _expected_gradient(problem, 1, regime, discount=0.7)
+    assert relative_error(reduced, alone) < 1e-10
+    sampler = problem.logits if regime == "on-policy" else problem.behaviour_logits
+    assert relative_error(alone, targets(problem.space, problem.logits, problem.ref_logits, sampler)["kl_seq"]) > 1e-4
 
 
 @pytest.mark.parametrize("regime", ["on-policy", "off-policy"])

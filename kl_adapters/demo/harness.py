@@ -122,6 +122,6 @@ def batch_logps_and_eos(problem: ToyProblem, model: torch.nn.Module, batch: Batc
     mask, ids = batch.completion_mask, batch.input_ids
     attention = torch.cat([torch.ones_like(ids[:, :1]), mask.long()], 1)
     log_pi = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1)
-    eos = problem.token_id(problem.space.eos)
+    eos = problem.eos_id
     logp = torch.where(mask, log_pi.gather(-1, ids[:, 1:, None]).squeeze(-1), 0.0)
     return logp, torch.where(mask, log_pi[..., eos].detach().exp(), 0.0), mask & (ids[:, 1:] == eos)

@@ -71,6 +71,7 @@ class LongHorizonProblem:
     success_rate: float = 0.25  # P_ref(R = 1)
     eos_rate: float = 0.25  # pi_ref(EOS) = eos_rate / T at every position
     hidden: int = 32
+    eos_id = EOS_ID  # (not a field) what harness.batch_logps_and_eos reads
 
     def __post_init__(self):
         if self.horizon < 2 or not 0 < self.success_rate < 1 or not 0 < self.eos_rate < self.horizon:

@@ -137,6 +137,8 @@ def table(summary: dict[int, dict[str, dict]], decided: dict[int, dict], title: 
 def _versus(test: dict | None) -> str:
     if test is None:
         return "(other seeds)"
+    if math.isnan(test["p"]):
+        return f"+{test['difference']:.4f} (one seed: no test)"
     verdict = "significant" if test["significant"] else "tie"
     return f"+{test['difference']:.4f}, p = {test['p']:.3f} ({verdict})"
 

@@ -64,6 +64,9 @@ class ToyProblem:
         """Tokenizer id of an audit-space token: EOS -> 0, chars[v] -> v + 1."""
         return 0 if audit_token == self.space.eos else audit_token + 1
 
+    #: tokenizer id of EOS (`char_tokenizer`), what harness.batch_logps_and_eos reads of any problem
+    eos_id = 0
+
     @cached_property
     def completion_ids(self) -> Tensor:
         """[N, T] tokenizer ids of every completion, EOS-padded."""

@@ -5,7 +5,9 @@ Three ways to activate, one state:
     KL_ADAPTERS=sequence python train.py    no code change: the kl_adapters_autoload.pth line imports
                                             `kl_adapters.autoload` at interpreter start, which calls `activate_from_env`
     a framework's own config flag           handled by that framework's adapter; it wins over the two above
-Value syntax: ``<preset>[:is_clip=<float>]``; "", "0", "off", "none" mean off.
+Value syntax: ``<preset>[:<option>=<value>,...]`` with options is_clip=<float> (cap on importance weights) and
+kl_target=<nats> (a KL budget, `kl_adapters.budget`: beta follows so that KL(pi || pi_ref) per sequence tracks it);
+"", "0", "off", "none" mean off.
 
 Patching is lazy: nothing is imported until a framework module listed in `ADAPTERS` is imported; then its adapter's
 `patch(trigger_module_name)` runs (already-imported frameworks are patched at once). Adapters are idempotent and look the
@@ -46,10 +48,13 @@ class Settings:
 
     preset: str
     is_clip: float | None = None
+    kl_target: float | None = None  # KL budget in nats per sequence (kl_adapters.budget); None: beta stays fixed
 
     def __str__(self) -> str:
         """KL_ADAPTERS syntax; round-trips through `parse` exactly (repr of a float is its shortest exact form)."""
-        return self.preset if self.is_clip is None else f"{self.preset}:is_clip={float(self.is_clip)!r}"
+        options = [f"{key}={float(value)!r}" for key, value in (("is_clip", self.is_clip),
+                                                                ("kl_target", self.kl_target)) if value is not None]
+        return self.preset + (":" + ",".join(options) if options else "")
 
 
 def parse(value: str | None, *, check_preset: bool = True) -> Settings | None:
@@ -64,19 +69,31 @@ def parse(value: str | None, *, check_preset: bool = True) -> Settings | None:
         from .presets import get_preset
 
         get_preset(name)
-    is_clip = None
+    options: dict[str, float | None] = {"is_clip": None, "kl_target": None}
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, _, raw = item.partition("=")
-        if key != "is_clip":
-            raise ValueError(f"unknown {ENV_VAR} option {key!r} in {value!r}; valid options: is_clip")
+        if key not in options:
+            raise ValueError(f"unknown {ENV_VAR} option {key!r} in {value!r}; valid options: {', '.join(options)}")
         try:
-            is_clip = float(raw)
+            options[key] = float(raw)
         except ValueError:
-            raise ValueError(f"{ENV_VAR} option is_clip needs a number, got {raw!r}") from None
-    from ._validate import check_is_clip
+            raise ValueError(f"{ENV_VAR} option {key} needs a number, got {raw!r}") from None
+    settings = Settings(name, **options)
+    validate(settings, check_preset=check_preset)
+    return settings
 
-    check_is_clip(is_clip)
-    return Settings(name, is_clip)
+
+def validate(settings: Settings, *, check_preset: bool = True) -> None:
+    """ValueError for options that are out of range or do not fit the preset (a KL budget needs a preset unbiased for
+    the sequence KL and no is_clip, `budget.check_budget_preset`); check_preset=False: the torch-free checks only."""
+    from ._validate import check_is_clip
+    from .budget import check_budget_preset, check_target
+
+    check_is_clip(settings.is_clip)
+    if settings.kl_target is not None:
+        check_target(settings.kl_target)
+        if check_preset:
+            check_budget_preset(settings.preset, settings.is_clip)
 
 
 _lock = threading.RLock()
@@ -97,9 +114,10 @@ def resolve(config_value: str | None) -> Settings | None:
     return parse(config_value) if config_value not in (None, "") else _settings
 
 
-def enable(preset: str, *, is_clip: float | None = None) -> Settings:
-    """Switch every supported framework to `preset` (patching installed frameworks as they are imported)."""
-    settings = parse(str(Settings(preset, is_clip)))
+def enable(preset: str, *, is_clip: float | None = None, kl_target: float | None = None) -> Settings:
+    """Switch every supported framework to `preset` (patching installed frameworks as they are imported); kl_target:
+    a KL budget (module docstring)."""
+    settings = parse(str(Settings(preset, is_clip, kl_target)))
     _activate(settings)
     os.environ[ENV_VAR] = str(settings)
     return settings
@@ -175,6 +193,7 @@ def _patch(framework: str, trigger: str) -> None:
     with _lock:
         if _settings is not None:
             get_preset(_settings.preset)  # KL_ADAPTERS read at interpreter start is validated here, before any patch
+            validate(_settings)
         adapter = importlib.import_module(ADAPTERS[framework][0])
         if not hasattr(adapter, "patch"):
             raise RuntimeError(f"{adapter.__name__} imported its own trigger module {trigger!r} while being imported; "

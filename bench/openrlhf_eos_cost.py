@@ -18,12 +18,8 @@ Usage: .venvs/openrlhf/bin/python bench/openrlhf_eos_cost.py [--repeats 60] [--h
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-
 import torch
-from openrlhf_overhead import ROOT, setup, training_step_fn  # (puts bench/ and the CPU stubs on sys.path)
-from openrlhf_cpu_shim import cuda_shims
+from openrlhf_overhead import ROOT, parser, prepare, training_step_fn  # (puts tests/openrlhf and the stubs on the path)
 from timing import alternating, compare, write_result
 
 import kl_adapters
@@ -53,24 +49,12 @@ def rollout_forward_fn(actor, tensors):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--response", type=int, default=64)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--note", default="", help="recorded with the result (e.g. the machine's load)")
-    opts = parser.parse_args()
+    p = parser(__doc__, 60)
+    p.add_argument("--note", default="", help="recorded with the result (e.g. the machine's load)")
+    opts = p.parse_args()
     import openrlhf.trainer.ray.ppo_actor  # noqa: F401  (a PolicyModelActor's process: the Actor is patched with it)
 
-    torch.manual_seed(0)
-    if opts.device == "cpu":
-        torch.set_num_threads(1)
-        for (owner, name), fn in cuda_shims().items():
-            setattr(owner, name, fn)
-    sync = torch.cuda.synchronize if opts.device == "cuda" else None
-    with tempfile.TemporaryDirectory() as folder:
-        args, actor, tensors, old, base = setup(opts, folder)
+    sync, args, actor, tensors, old, base = prepare(opts)
     fns = {"rollout_forward": rollout_forward_fn(actor, tensors),
            "training_step": training_step_fn(args, actor, tensors, old, base, opts.device)}
     for config in (NATIVE, NO_EOS, EOS):

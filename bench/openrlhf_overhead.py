@@ -46,7 +46,8 @@ BETA = 0.01
 def setup(opts, folder: str):
     model_dir = save_tiny_model(os.path.join(folder, "actor"), seed=1, hidden=opts.hidden)
     ref_dir = save_tiny_model(os.path.join(folder, "ref"), seed=2, hidden=opts.hidden)
-    args = cli_args(base_argv(model_dir))  # --algo.kl.use_loss --algo.kl.estimator k3
+    # --algo.kl.use_loss --algo.kl.estimator k3; responses up to --response tokens
+    args = cli_args(base_argv(model_dir) + ["--rollout.max_new_tokens", str(opts.response)])
     lengths = [opts.response - (7 * b) % (opts.response // 2) for b in range(opts.batch)]  # ragged, deterministic
     sequences, attention_mask, action_mask = random_batch(opts.batch, 16, lengths, seed=0)
     actor, ref = load_actor(model_dir).to(opts.device), load_actor(ref_dir).to(opts.device)
@@ -118,14 +119,19 @@ def switch(config: str, _round: int = 0) -> None:
         kl_adapters.enable("sequence")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=100)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--response", type=int, default=64)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    opts = parser.parse_args()
+def parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of this benchmark (and of bench/openrlhf_eos_cost.py, which shares its setup)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--response", type=int, default=64)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    return p
+
+
+def prepare(opts):
+    """Seed, one thread and the CUDA shims on CPU; (sync, `setup`'s args, actor, tensors, old, base)."""
     torch.manual_seed(0)
     if opts.device == "cpu":
         torch.set_num_threads(1)
@@ -133,7 +139,12 @@ def main() -> None:
             setattr(owner, name, fn)
     sync = torch.cuda.synchronize if opts.device == "cuda" else None
     with tempfile.TemporaryDirectory() as folder:
-        args, actor, tensors, old, base = setup(opts, folder)
+        return (sync, *setup(opts, folder))
+
+
+def main() -> None:
+    opts = parser(__doc__, 100).parse_args()
+    sync, args, actor, tensors, old, base = prepare(opts)
     step = training_step_fn(args, actor, tensors, old, base, opts.device)
     kl_native, kl_patched = kl_term_fn(tensors, old, base)
     for config in ("native", "kl_adapters_sequence"):

@@ -68,11 +68,12 @@ def check_budget_preset(preset: str, is_clip: float | None, *, off_policy: bool 
     from .presets import RECOMMENDED, get_preset
 
     spec = get_preset(preset)
-    if not spec.unbiased_on_policy or (off_policy and not spec.unbiased_off_policy):
-        where = "off-policy, as this trainer's batches are" if spec.unbiased_on_policy else "even on-policy"
-        raise ValueError(f"{name} budgets the sequence KL, but preset {preset!r} does not follow its gradient ({where})"
-                         f": beta would weigh another objective. Use one of {', '.join(RECOMMENDED)} "
-                         "('sequence' off-policy)")
+    if not spec.unbiased_on_policy:
+        raise ValueError(f"{name} budgets the sequence KL, but preset {preset!r} does not follow its gradient: beta "
+                         f"would weigh another objective. Use one of {', '.join(RECOMMENDED)}")
+    if off_policy and not spec.unbiased_off_policy:
+        raise ValueError(f"{name} budgets the sequence KL, but preset {preset!r} does not follow its gradient "
+                         "off-policy, as this trainer's batches are: use 'sequence' (unbiased on- and off-policy)")
     if is_clip is not None:
         raise ValueError(f"{name} with is_clip={is_clip}: capped importance weights make the KL estimate the budget "
                          "tracks biased; drop is_clip")

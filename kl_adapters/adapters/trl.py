@@ -2,7 +2,8 @@
 
 Flag (TRL's idiom, a config field): ``KLGRPOConfig(kl_preset="sequence", beta=0.04, ...)`` in place of ``GRPOConfig``
 (``--kl_preset sequence`` with ``TrlParser``), or, with no code change, ``KL_ADAPTERS=sequence`` /
-``kl_adapters.enable("sequence")``; the config field wins. Unset: TRL runs its own code, unchanged.
+``kl_adapters.enable("sequence")``; the config field wins. Unset: TRL runs its own code, unchanged. A KL budget
+(``kl_target``) is described below.
 
 What changes when it is set (one wrapper around ``GRPOTrainer.compute_loss``):
     TRL computes its policy loss as usual but with ``beta = 0`` for that call, so its k3 term is skipped; the wrapper
@@ -63,6 +64,18 @@ it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t), 
 preset's on this batch; 0 means no difference) and ``kl_adapters/is_ess`` (effective sample size of the micro-batch's
 full-sequence importance weights, 1 on-policy, towards 1/B as they degenerate; averaged over the logging window).
 
+KL budget (``KLGRPOConfig(kl_target=<nats>)``, ``--kl_target``, or ``KL_ADAPTERS=<preset>:kl_target=<nats>``;
+kl_adapters.budget): TRL's ``beta`` is the starting value of a controller that sets ``trainer.beta`` once per optimizer
+step so that KL(pi || pi_ref) per completion tracks the target. ``KLBudgetCallback`` holds it: at on_step_end it
+updates beta from the step's mean ``kl_adapters/seq_kl`` (the sums `_log_metrics` already reduces across processes:
+no extra synchronisation, the same beta on every process); the generation and loss wrappers read it
+(`_apply_budget`), so TRL's own code and the statistics see the current beta. Its state is saved in each checkpoint's
+trainer_state.json (``stateful_callbacks``) and restored at on_train_begin by ``train(resume_from_checkpoint=...)``.
+Metrics beside TRL's: ``kl_adapters/beta``, ``kl_adapters/kl_target``. Refused at configuration (`check_budget`): no
+KL term, a target that is not a finite number > 0, a preset whose gradient is not the sequence KL's (or ``reward``
+off-policy), is_clip; RLOOTrainer (not patched). Without kl_target nothing of this runs. Pinned by
+tests/trl/test_budget.py.
+
 Preset ``full`` (kl_adapters.full_vocab: exact KL_t over the vocabulary, Rao-Blackwellized): the reference runs in
 the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL's "ref" adapter). With it set:
   * generation skips TRL's reference log-prob pass (``beta`` is 0 for that call): ``full`` reads the reference's
@@ -104,15 +117,18 @@ import functools
 import logging
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from trl import GRPOConfig  # not a trigger module: importing it patches nothing (see adapters/__init__.py)
 
 from .. import activation, native
 from ..activation import Settings
 from .._validate import check_is_clip
+from ..budget import DEFAULT_RULE, KLBudget, check_budget_preset, check_target
 from ..full_vocab import full_kl_surrogate_from_hidden
 from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
@@ -143,6 +159,10 @@ class KLGRPOConfig(GRPOConfig):
             `kl-adapters presets`. `None` defers to the `KL_ADAPTERS` environment variable; `"off"` disables.
         kl_is_clip (`float` or `None`, *optional*, defaults to `None`):
             Cap on the importance weights the preset applies off-policy (lower variance, biased). `None`: exact.
+        kl_target (`float` or `None`, *optional*, defaults to `None`):
+            KL budget: target KL(pi || pi_ref) per completion, in nats. `beta` becomes the starting value of a
+            controller that adjusts it once per optimizer step so that the sequence KL tracks the target
+            (`kl_adapters.budget`). Needs a preset unbiased for the sequence KL. `None`: `beta` stays fixed.
     """
 
     kl_preset: str | None = field(
@@ -153,6 +173,11 @@ class KLGRPOConfig(GRPOConfig):
     kl_is_clip: float | None = field(
         default=None,
         metadata={"help": "Cap on the importance weights of the KL preset (biased, lower variance); None: exact."},
+    )
+    kl_target: float | None = field(
+        default=None,
+        metadata={"help": "KL budget: target KL(pi || pi_ref) per completion in nats; beta starts at `beta` and is "
+                          "adjusted every optimizer step to track it. None: beta stays fixed."},
     )
 
     def __post_init__(self):
@@ -168,14 +193,26 @@ class KLGRPOConfig(GRPOConfig):
                 raise ValueError(f"kl_preset={self.kl_preset!r} with beta=0.0 would be a silent no-op: TRL builds no "
                                  "reference model when beta == 0; set beta > 0")
             patch(_GRPO_MODULE)  # the field must take effect on any GRPOTrainer
+        if self.kl_target is not None or (settings is not None and settings.kl_target is not None):
+            check_budget(self)
+            patch(_GRPO_MODULE)
 
 
 def settings_for(trainer: GRPOTrainer) -> Settings | None:
-    """The KL settings of a trainer: its config's kl_preset if set, else enable()/KL_ADAPTERS."""
-    preset = getattr(trainer.args, "kl_preset", None)
+    """The KL settings of a trainer: its config's kl_preset if set, else enable()/KL_ADAPTERS (`settings_of`)."""
+    return settings_of(trainer.args)
+
+
+def settings_of(args: GRPOConfig) -> Settings | None:
+    """The KL settings of a TRL config: its kl_preset if set (with kl_is_clip), else enable()/KL_ADAPTERS; a
+    kl_target field (KLGRPOConfig) sets the budget of either."""
+    preset = getattr(args, "kl_preset", None)
     settings = activation.resolve(preset)
     if preset not in (None, "") and settings is not None:
-        return Settings(settings.preset, trainer.args.kl_is_clip)
+        settings = Settings(settings.preset, args.kl_is_clip, settings.kl_target)
+    target = getattr(args, "kl_target", None)
+    if settings is not None and target is not None:
+        settings = replace(settings, kl_target=target)
     return settings
 
 
@@ -476,6 +513,7 @@ def _generate_with_statistics(original, self, generation_batch):
     """GRPOTrainer._generate_and_score_completions, plus, when a preset with batch statistics is active, each row's
     prompt group (GROUP_KEY) and the rollout statistics in its output (see module docstring); unchanged otherwise."""
     settings = settings_for(self)
+    _apply_budget(self)
     if self.beta == 0.0 or settings is None or not get_preset(settings.preset).uses_batch_statistics:
         return original(self, generation_batch)
     if _is_full(settings):
@@ -524,6 +562,7 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> Non
     metrics = trainer._metrics[mode]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
     metrics["kl_adapters/seq_kl"].append(totals[2] / max(totals[3], 1.0))
+    observe_budget(trainer, mode, totals[2], totals[3])
     metrics["kl_adapters/grad_weight_gap"].append(totals[4] / totals[5] if totals[5] > 0 else 0.0)
     metrics["kl_adapters/is_ess"].append(totals[6] / totals[7])  # mean over processes
 
@@ -586,12 +625,14 @@ def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Ten
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
     metrics["kl_adapters/seq_kl"].append(totals[0] / max(totals[2], 1.0))
+    observe_budget(trainer, "train" if trainer.model.training else "eval", totals[0], totals[2])
     return beta_seq * seq_kl
 
 
 def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """GRPOTrainer.compute_loss with the KL term replaced by the active preset (see module docstring)."""
     settings = settings_for(self)
+    _apply_budget(self)
     if settings is None or self.beta == 0.0:
         if settings is not None and not getattr(self, "_kl_adapters_warned", False):
             self._kl_adapters_warned = True
@@ -624,6 +665,108 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
     _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)
 
+# ---- KL budget (kl_target, kl_adapters.budget) ---------------------------------------------------------------------
+
+
+def _off_policy(args: GRPOConfig) -> bool:
+    """Whether the loss can see batches from another policy than the one it trains: TRL's own condition for keeping
+    rollout log-probs (a generation batch spanning optimizer steps, num_iterations > 1), or vLLM's sampler."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0 or bool(getattr(args, "use_vllm", False))
+
+
+def check_budget(args: GRPOConfig) -> None:
+    """Refuse a KL budget that cannot do what it says, at configuration time (KLGRPOConfig.__post_init__; the
+    trainer's __init__ for the KL_ADAPTERS route): a target that is not a finite number > 0, no KL term to adjust (no
+    preset, kl_preset 'off', beta == 0), two different targets, or a preset whose gradient is not the sequence KL's
+    for this trainer's batches or an is_clip (`budget.check_budget_preset`). Pinned by
+    tests/trl/test_budget.py::test_bad_budgets_are_refused_at_configuration."""
+    field_target = getattr(args, "kl_target", None)
+    if field_target is not None:
+        check_target(field_target)
+    settings = settings_of(args)
+    if settings is None:
+        raise ValueError("kl_target needs a KL term to adjust: set kl_preset (e.g. 'sequence') or KL_ADAPTERS")
+    inline = activation.parse(args.kl_preset) if getattr(args, "kl_preset", None) else None
+    if inline is not None and None not in (inline.kl_target, field_target) and inline.kl_target != field_target:
+        raise ValueError(f"two KL budgets: kl_preset={args.kl_preset!r} and kl_target={field_target}; give one")
+    if args.beta == 0.0:
+        raise ValueError("kl_target with beta=0.0 has no KL term to adjust (TRL builds no reference model when beta == "
+                         "0): set beta > 0, the controller's starting value")
+    check_budget_preset(settings.preset, settings.is_clip, off_policy=_off_policy(args))
+
+
+class KLBudgetCallback(TrainerCallback, ExportableState):
+    """The run's KL budget (`budget.KLBudget`, initial beta = TRL's beta) as a transformers callback: updated at
+    on_step_end, once per optimizer step, from that step's micro-batches on every process (`observe_budget`: the
+    sums `_log_metrics` already reduces across processes, so every process computes the same beta); stored in each
+    checkpoint's trainer_state.json (TrainerState.stateful_callbacks, where transformers keeps callback state) and
+    restored from it at on_train_begin, which train(resume_from_checkpoint=...) reaches with the checkpoint's state.
+    The trainer reads beta from it at each generation and loss call (`_apply_budget`)."""
+
+    def __init__(self, target: float, beta: float, rule: str = DEFAULT_RULE):
+        self.budget = KLBudget(target, beta, rule)
+
+    @property
+    def budget_state(self) -> dict:
+        return self.budget.state_dict()
+
+    @budget_state.setter
+    def budget_state(self, state: dict) -> None:  # transformers' restore_callback_states_from_checkpoint sets it
+        self.budget.load_state_dict(state)
+
+    def state(self) -> dict:
+        b = self.budget
+        return {"args": {"target": b.target, "beta": b.beta, "rule": b.rule}, "attributes": {"budget_state": b.state_dict()}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        stored = state.stateful_callbacks.get(type(self).__name__)
+        stored = stored[0] if isinstance(stored, list) else stored
+        if stored:  # a fresh run stores the initial state here: loading it changes nothing
+            self.budget.load_state_dict(stored["attributes"]["budget_state"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.budget.update()
+
+
+def budget_of(trainer: GRPOTrainer) -> KLBudget | None:
+    """The trainer's KL budget, None without kl_target."""
+    return next((cb.budget for cb in trainer.callback_handler.callbacks if isinstance(cb, KLBudgetCallback)), None)
+
+
+def _apply_budget(trainer: GRPOTrainer) -> None:
+    """trainer.beta = the budget's beta (TRL and the adapter read trainer.beta at every use)."""
+    budget = budget_of(trainer)
+    if budget is not None:
+        trainer.beta = budget.beta
+
+
+def observe_budget(trainer: GRPOTrainer, mode: str, total: float, count: float) -> None:
+    """Hand a micro-batch's summed sequence-KL estimates over all processes (`total`, `count`: host numbers the
+    metrics already computed) to the budget in training, and log kl_adapters/beta and kl_adapters/kl_target."""
+    budget = budget_of(trainer)
+    if budget is None:
+        return
+    if mode == "train":
+        budget.observe(total, count)
+    for key, value in budget.metrics().items():
+        trainer._metrics[mode][key].append(value)
+
+
+def _with_budget(original_init):
+    """GRPOTrainer.__init__, then, with a KL budget (kl_target or KL_ADAPTERS=<preset>:kl_target=...), its checks
+    and its `KLBudgetCallback`; without one, nothing else."""
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        settings = settings_for(self)
+        if settings is not None and settings.kl_target is not None and budget_of(self) is None:
+            check_budget(self.args)
+            self.add_callback(KLBudgetCallback(settings.kl_target, self.beta))
+
+    return init
+
 
 def _check_rloo(original_init):
     """RLOOTrainer.__init__ that refuses what the active preset cannot deliver, and leaves the exact case unchanged.
@@ -640,6 +783,10 @@ def _check_rloo(original_init):
         settings = activation.active()
         if settings is None or self.beta == 0.0:
             return
+        if settings.kl_target is not None:
+            raise UnsupportedFrameworkError(f"KL_ADAPTERS={settings}: RLOOTrainer is checked, not patched, by "
+                                            "kl-adapters, so a KL budget (kl_target) cannot adjust its beta; use "
+                                            "GRPOTrainer with kl-adapters")
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self.args.gradient_accumulation_steps % generate_every != 0 or self.normalize_advantages:
             raise UnsupportedFrameworkError(
@@ -695,6 +842,7 @@ def patch(trigger: str) -> None:
 
     _wrap(GRPOTrainer, "compute_loss", _kl_compute_loss)
     _wrap(GRPOTrainer, "_generate_and_score_completions", _kl_generate)
+    _wrap(GRPOTrainer, "__init__", _with_budget)
     rloo = sys.modules.get("trl.trainer.rloo_trainer")
     if rloo is not None and hasattr(rloo, "RLOOTrainer"):
         _wrap(rloo.RLOOTrainer, "__init__", _check_rloo)
@@ -705,6 +853,7 @@ def unpatch() -> None:
     grpo = sys.modules[_GRPO_MODULE].GRPOTrainer
     _unwrap(grpo, "compute_loss")
     _unwrap(grpo, "_generate_and_score_completions")
+    _unwrap(grpo, "__init__")
     rloo = sys.modules.get("trl.trainer.rloo_trainer")
     if rloo is not None:
         _unwrap(rloo.RLOOTrainer, "__init__")

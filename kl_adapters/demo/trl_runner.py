@@ -34,8 +34,9 @@ SPECS: dict[str, tuple[dict, str]] = {
 }
 
 
-def make_trainer(problem: ToyProblem, config: str, seed: int, settings: TrainSettings):
-    """GRPOTrainer (KLGRPOConfig with the settings above) on the toy policy of `seed`, under one configuration."""
+def make_trainer(problem: ToyProblem, config: str, seed: int, settings: TrainSettings, overrides: dict | None = None):
+    """GRPOTrainer (KLGRPOConfig with the settings above) on the toy policy of `seed`, under one configuration;
+    `overrides`: further KLGRPOConfig fields, applied last (e.g. kl_target and a starting beta: bench/kl_budget.py)."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -45,7 +46,7 @@ def make_trainer(problem: ToyProblem, config: str, seed: int, settings: TrainSet
     model_dir = tempfile.mkdtemp(prefix="toy_policy_")
     problem.model(seed, settings.hidden).save_pretrained(model_dir)  # TRL reloads the reference from this path
     problem.tokenizer().save_pretrained(model_dir)
-    overrides, _ = SPECS[config]
+    spec, _ = SPECS[config]
     g = settings.group
     args = KLGRPOConfig(**{
         "output_dir": tempfile.mkdtemp(prefix="toy_grpo_"), "use_cpu": True, "bf16": False, "seed": seed,
@@ -53,7 +54,7 @@ def make_trainer(problem: ToyProblem, config: str, seed: int, settings: TrainSet
         "mask_truncated_completions": False, "per_device_train_batch_size": g, "num_generations": g,
         "max_completion_length": problem.horizon, "temperature": 1.0, "learning_rate": settings.learning_rate,
         "max_steps": settings.steps, "logging_steps": settings.steps, "report_to": "none", "save_strategy": "no",
-        "gradient_checkpointing": False, "disable_tqdm": True, **overrides})
+        "gradient_checkpointing": False, "disable_tqdm": True, **spec, **(overrides or {})})
     dataset = Dataset.from_dict({"prompt": [problem.chars[0]] * (settings.steps + 1)})
     return GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **k: problem.reward(completions),
                        args=args, train_dataset=dataset, processing_class=problem.tokenizer())
@@ -61,9 +62,13 @@ def make_trainer(problem: ToyProblem, config: str, seed: int, settings: TrainSet
 
 def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings) -> tuple[list[dict[str, float]], None]:
     """Exact metrics after 0, 1, ..., steps optimizer steps of GRPOTrainer under one KL configuration (no extras)."""
+    return train_exactly(problem, make_trainer(problem, config, seed, settings)), None
+
+
+def train_exactly(problem: ToyProblem, trainer) -> list[dict[str, float]]:
+    """trainer.train(), with the exact metrics of the policy after 0, 1, ..., steps optimizer steps."""
     from transformers import TrainerCallback
 
-    trainer = make_trainer(problem, config, seed, settings)
     evaluate = ExactEvaluator(problem, sequence_logprobs(problem, trainer.model))
     history = [evaluate(sequence_logprobs(problem, trainer.model))]
 
@@ -73,7 +78,7 @@ def run_trl(problem: ToyProblem, config: str, seed: int, settings: TrainSettings
 
     trainer.add_callback(Exact())
     trainer.train()
-    return history, None
+    return history
 
 
 class CheckLoss:

@@ -28,6 +28,7 @@ Usage: .venvs/trl/bin/python bench/demo_gradient_variance.py [--states 40 150 40
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -200,7 +201,7 @@ def main() -> int:
                                "kl_opt": kl_opt, "framework": "TRL 1.16 GRPOTrainer.compute_loss",
                                **({} if args.group == 2 else {"batches": args.batches, "blocks": args.blocks,
                                                               "seed": args.seed})})
-    path.with_suffix(".txt").write_text(text + "\n")
+    path.with_suffix(".txt").write_text(f"$ {json.loads(path.read_text())['command']}\n{text}\n")
     print(f"wrote {path} and {path.with_suffix('.txt').name}")
     return 0
 

@@ -15,15 +15,16 @@ while ActorPPOTrainer is *constructed* (its __init__ barriers and builds a repla
 and is undone before training; its CPUStrategy (one process, dp size 1) stands in for DeepspeedStrategy.
 
 What runs, per harness step (`kl_adapters.demo.harness.train` samples G completions of a tiny GPT-2 and takes the Adam
-step): the group becomes an Experience as OpenRLHF's RemoteExperienceMaker.make_experience leaves it (sequences =
-prompt + completion, action_mask, action_log_probs = the sampling policy's log-probs, base_action_log_probs = pi_ref's,
-rewards, a zero KL: the loss path), and **openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.
-compute_advantages_and_returns** makes its advantages (dr_grpo: r_i - mean_j r_j on every token, the harness's) -- and,
-under a reduced kl-adapters preset, the adapter's rollout statistics, fitted with those advantages and with pi(EOS |
-y_<t) of the sampling policy, which the harness's forward supplies (harness.batch_logps_and_eos) the way OpenRLHF's
-rollout forward carries it to the experience maker (on action_log_probs, openrlhf_statistics.LogProbsWithEos). The
-maker's KL controller holds the previous step's kl_ctl (OpenRLHF's holds the coefficient set before the rollout; the
-harness's per-step kl_ctl below depends on the step's own token count). Then
+step): the group becomes an Experience (sequences = prompt + completion, action_mask, action_log_probs = the sampling
+policy's log-probs, base_action_log_probs = pi_ref's). Under the adapter's flag it is the one OpenRLHF's
+RemoteExperienceMaker.make_experience leaves on the loss path (plus rewards and a zero KL), and
+**openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.compute_advantages_and_returns** makes its
+advantages (dr_grpo: r_i - mean_j r_j on every token, the harness's) and, under a reduced preset, the adapter's rollout
+statistics, fitted with those advantages and with pi(EOS | y_<t) of the sampling policy, which the harness's forward
+supplies (harness.batch_logps_and_eos) the way OpenRLHF's rollout forward carries it to the experience maker (on
+action_log_probs, openrlhf_statistics.LogProbsWithEos); the maker's KL controller holds the previous step's kl_ctl
+(OpenRLHF's holds the coefficient set before the rollout; the harness's per-step kl_ctl below depends on the step's own
+token count). OpenRLHF's own KL configurations get the harness's advantages r_i - mean_j r_j directly (the same). Then
 **openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step** on that one Experience (on-policy: PPO's ratio is 1,
 its clip never acts), with loss_batch_info from OpenRLHF's own iter_grad_accum_global_norm (what ppo_train passes; one
 micro-batch = one optimizer step, gas 1). training_step runs OpenRLHF's Actor.forward around the harness's model (where

@@ -113,6 +113,7 @@ def check_task(task, logp: Tensor) -> dict[str, Tensor]:
 
     Returns the advantages broadcast to [B, T] for check_batch's finiteness check at real tokens.
     """
+    import torch
     from torch import Tensor
 
     from .reductions import TaskAdvantages
@@ -126,13 +127,21 @@ def check_task(task, logp: Tensor) -> dict[str, Tensor]:
                          f"{tuple(logp.shape)}")
     if adv.device != logp.device:
         raise ValueError(f"task.advantages is on {adv.device}, logp on {logp.device}")
-    beta = task.beta.item() if isinstance(task.beta, Tensor) else task.beta
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
+    beta, out = task.beta, {"task.advantages": adv if adv.dim() == 2 else adv[:, None].expand(logp.shape)}
+    if isinstance(beta, Tensor):  # one ratio per row: finite and > 0 (checked in check_batch's one sync)
+        if beta.dim() not in (0, 1) or (beta.dim() == 1 and tuple(beta.shape) != tuple(logp.shape[:1])):
+            raise ValueError(f"task.beta must be a number or a [B] tensor, B = {logp.shape[0]}; got shape "
+                             f"{tuple(beta.shape)}")
+        if not beta.is_floating_point() or beta.device != logp.device:
+            raise TypeError(f"task.beta must be a floating-point tensor on {logp.device}")
+        out["task.beta (> 0)"] = torch.where(beta > 0, beta, float("nan")).expand(logp.shape[:1])[:, None].expand(
+            logp.shape)
+    elif isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
         raise ValueError(f"task.beta must be a finite number > 0 (the KL coefficient on the advantages' scale), got "
                          f"{task.beta!r}")
     if not isinstance(task.normalized, bool):
         raise TypeError(f"task.normalized must be a bool, got {type(task.normalized).__name__}")
-    return {"task.advantages": adv if adv.dim() == 2 else adv[:, None].expand(logp.shape)}
+    return out
 
 
 def check_eos(eos, logp: Tensor) -> dict[str, Tensor]:

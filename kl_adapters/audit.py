@@ -166,6 +166,7 @@ def batch_moments(
     normalized: bool = False,
     eos: bool = False,
     discount: float = 1.0,
+    row_beta: bool = False,
     chunk: int = 16384,
 ) -> tuple[Tensor, float]:
     """Exact E[g] and tr Cov[g] of the batch gradient g of `kl_surrogate` on G = group_size i.i.d. sequences.
@@ -179,8 +180,9 @@ def batch_moments(
     precomputed=True passes kl_statistics of the same rows as statistics= (the rollout-time path).
     rewards [N] (one per sequence): the statistics are fitted with GRPO's task advantages of each batch, r minus the
     mean of its (local) group, divided by the group's standard deviation when normalized (TaskAdvantages, beta 0.5);
-    eos: with the policy's end-of-sequence probabilities (EndOfSequence, the termination control variate). Either
-    way the mean must stay the KL gradient's: only the statistics change.
+    eos: with the policy's end-of-sequence probabilities (EndOfSequence, the termination control variate); row_beta:
+    the task's beta per row from the other rows' lengths (a trainer whose normaliser counts tokens). Either way the
+    mean must stay the KL gradient's: only the statistics change.
     """
     spec = get_preset(preset)
     n = space.num_sequences
@@ -205,7 +207,7 @@ def batch_moments(
         old_rows = None if old is None else old[rows]
         stats = {}
         if spec.uses_batch_statistics:
-            extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos)
+            extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos, row_beta)
             stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group,
                                                   preset=spec, discount=discount, **extra), "eos": extra.get("eos")}
                      if precomputed else {"group": group, **extra})
@@ -223,7 +225,7 @@ def batch_moments(
 
 
 def task_and_eos(space: SequenceSpace, logits: Tensor, rows: Tensor, group: Tensor, rewards: Tensor | None,
-                  normalized: bool, eos: bool) -> dict:
+                  normalized: bool, eos: bool, row_beta: bool = False) -> dict:
     """`task` / `eos` arguments for the rows of a stack of batches (batch_moments, tests/core/test_full_vocab.py):
     GRPO advantages of `rewards` per group id (None: no task), the policy's end-of-sequence probabilities."""
     extra = {}
@@ -236,7 +238,12 @@ def task_and_eos(space: SequenceSpace, logits: Tensor, rows: Tensor, group: Tens
         if normalized:
             var = torch.zeros_like(size).index_add_(0, same, adv.square()) / (size - 1).clamp(min=1)
             adv = adv / (var.sqrt()[same] + 1e-4)
-        extra["task"] = TaskAdvantages(adv, 0.5, normalized)
+        beta = 0.5
+        if row_beta:  # 0.1 x (1 + the mean length of the other rows of the group): a function of the others only
+            length = space.mask[rows].sum(-1).to(DTYPE)
+            others = (torch.zeros_like(size).index_add_(0, same, length)[same] - length) / (size[same] - 1).clamp(min=1)
+            beta = 0.1 * (1 + others)
+        extra["task"] = TaskAdvantages(adv, beta, normalized)
     if eos:
         prob = torch.softmax(logits.detach(), -1)[space.node_of_token[rows], space.eos] * space.mask[rows]
         extra["eos"] = EndOfSequence(prob, (space.token[rows] == space.eos) & space.mask[rows])

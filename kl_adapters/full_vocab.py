@@ -56,7 +56,7 @@ from ._validate import (check_batch, check_beta, check_discount, check_eos, chec
 from .estimators import capped, reverse_cumsum, working_dtype
 from .presets import FULL
 from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum, past_kl,
-                         relative_returns, same_group, score_weight, task_in_kl_units, termination_increments)
+                         relative_returns, same_group, score_weight, termination_increments)
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
@@ -121,8 +121,8 @@ def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Ten
                       eos=None if eta is None else ret[:, 2] - eta, resample=ret[:, 1] - k1 - future)
     x = others_sum(torch.stack((kl, mask), 1).sum(-1), same)
     kappa = torch.where(x[:, 1] > 0, x[:, 0] / x[:, 1].clamp(min=1.0), 0.0)
-    return batch_statistics(returns, torch.zeros_like(kappa), kappa, *task_in_kl_units(task),
-                            score_weight(logp, mask), mask, same)
+    return batch_statistics(returns, torch.zeros_like(kappa), kappa, task, score_weight(logp, mask), mask, same,
+                            (log_rho * mask).cumsum(-1))
 
 
 def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics,

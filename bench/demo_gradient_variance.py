@@ -18,11 +18,16 @@ unbiased estimate of each configuration's covariance trace, and the ratio to seq
 delta-method standard error over blocks. Bias check: |mean_X - mean_plain|^2 over its expected value under equal
 means, tr Cov(g_X - g_plain) / N (about 1 for two unbiased configurations, >> 1 for a biased one).
 
+--trained CONFIG:SEED:STEP (Monte Carlo only, repeatable) measures instead at the policy a real training run visits:
+the demo's quick run (`kl-adapters demo`: GRPOTrainer.train(), G = 256, 120-step schedule) of CONFIG from SEED's
+initial policy (= its pi_ref), stopped after STEP optimizer steps (the same first STEP steps as the full run).
+
 Configurations: the demo's (trl_runner.SPECS) and `sequence-kl-fit`: `sequence` with the adapter passing neither the
 task advantages nor pi(EOS) (its statistics fitted to the KL term alone: the adapter before issue 20, emulated by
 filtering `adapters.trl.statistics_inputs`).
 Usage: .venvs/trl/bin/python bench/demo_gradient_variance.py [--states 40 150 400] [--configs ...]
        .venvs/trl/bin/python bench/demo_gradient_variance.py --group 256 --batches 800 [--blocks 20] [--seed 0]
+       .venvs/trl/bin/python bench/demo_gradient_variance.py --group 256 --trained sequence:27:64 [--trained ...]
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch  # noqa: E402
 from timing import write_result  # noqa: E402
 
 from kl_adapters.adapters import trl as trl_adapter  # noqa: E402
-from kl_adapters.demo import gradient_check, harness, trl_runner  # noqa: E402
+from kl_adapters.demo import gradient_check, harness, run, trl_runner  # noqa: E402
 from kl_adapters.demo.problem import (ExactEvaluator, ToyProblem, completion_logprobs,  # noqa: E402
                                       enumerated_input_ids, sequence_logprobs)
 
@@ -65,9 +70,10 @@ class KLOnlyFit:
             trl_adapter.statistics_inputs = real
 
 
-def loss_factories(problem: ToyProblem, configs: list[str]):
-    """(model, {config: loss factory}, scale): every configuration through one trainer (`trl_runner.check_losses`)."""
-    model, losses, scale = trl_runner.check_losses(problem, [c for c in configs if c != KL_FIT] or [PLAIN])
+def loss_factories(problem: ToyProblem, configs: list[str], seed: int = 0):
+    """(model, {config: loss factory}, scale): every configuration through one trainer (`trl_runner.check_losses`) on
+    the initial policy (= pi_ref) of `seed`."""
+    model, losses, scale = trl_runner.check_losses(problem, [c for c in configs if c != KL_FIT] or [PLAIN], seed)
     factories = {c: losses[c][0] for c in configs if c != KL_FIT}
     if KL_FIT in configs:
         factories[KL_FIT] = lambda: KLOnlyFit(trl_runner.CheckLoss(losses[PLAIN][0]().trainer, "sequence"))
@@ -160,6 +166,35 @@ def monte_carlo_rows(problem, model, ref_tok, factories, configs, state, group, 
     return [{"state": state, **acc.summary(c)} for c in configs]
 
 
+def trained_policy(problem: ToyProblem, config: str, seed: int, steps: int) -> torch.nn.Module:
+    """The policy of the demo's quick training run of `config` from `seed` after `steps` optimizer steps."""
+    from transformers import TrainerCallback
+
+    trainer = trl_runner.make_trainer(problem, config, seed, run.QUICK)
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= steps
+
+    trainer.add_callback(Stop())
+    trainer.train()
+    return trainer.model
+
+
+def trained_rows(problem: ToyProblem, configs: list[str], spec: str, args) -> tuple[list[dict], float]:
+    """Monte Carlo rows at the policy `spec` = CONFIG:SEED:STEP (`trained_policy`), and its KL(pi || pi*)."""
+    config, seed, steps = spec.split(":")
+    model, factories, _ = loss_factories(problem, configs, int(seed))
+    policy = trained_policy(problem, config, int(seed), int(steps))
+    with torch.no_grad():
+        ref_tok = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
+        model.load_state_dict(policy.state_dict())
+        kl_opt = ExactEvaluator(problem, ref_tok.double().sum(-1))(sequence_logprobs(problem, model))["kl_opt"]
+    generator = torch.Generator().manual_seed(args.seed)
+    return monte_carlo_rows(problem, model, ref_tok, factories, configs, spec, args.group, args.batches, args.blocks,
+                            generator), kl_opt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--states", type=int, nargs="+", default=[40, 150, 400],
@@ -169,6 +204,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=800, help="Monte Carlo: batches per state")
     parser.add_argument("--blocks", type=int, default=20, help="Monte Carlo: blocks for the standard errors")
     parser.add_argument("--seed", type=int, default=0, help="Monte Carlo: sampling seed")
+    parser.add_argument("--trained", action="append", default=[], metavar="CONFIG:SEED:STEP",
+                        help="Monte Carlo at the policy of a demo training run instead of the ascent path")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -176,6 +213,12 @@ def main() -> int:
     if PLAIN not in configs:
         raise SystemExit(f"--configs must include {PLAIN} (the reference of every ratio)")
     problem = ToyProblem()
+    if args.trained:
+        rows, kl_opt = [], {}
+        for spec in args.trained:
+            spec_rows, kl_opt[spec] = trained_rows(problem, configs, spec, args)
+            rows += spec_rows
+        return report_rows(rows, args, kl_opt, "demo_gradient_variance_trained")
     model, factories, scale = loss_factories(problem, configs)
     with torch.no_grad():
         ref_tok = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
@@ -194,11 +237,16 @@ def main() -> int:
         else:
             rows += monte_carlo_rows(problem, model, ref_tok, factories, configs, state, args.group, args.batches,
                                      args.blocks, generator)
+    return report_rows(rows, args, kl_opt,
+                       "demo_gradient_variance" if args.group == 2 else f"demo_gradient_variance_g{args.group}")
+
+
+def report_rows(rows: list[dict], args, kl_opt: dict, name: str) -> int:
+    """Print the table; write bench/results/<name>.json (rows, settings, command) and <name>.txt."""
     text = table(rows, args, kl_opt)
     print(text)
-    name = "demo_gradient_variance" if args.group == 2 else f"demo_gradient_variance_g{args.group}"
-    path = write_result(name, {"states": args.states, "configs": configs, "rows": rows, "group": args.group,
-                               "kl_opt": kl_opt, "framework": "TRL 1.16 GRPOTrainer.compute_loss",
+    path = write_result(name, {"states": args.trained or args.states, "configs": args.configs.split(","), "rows": rows,
+                               "group": args.group, "kl_opt": kl_opt, "framework": "TRL 1.16 GRPOTrainer.compute_loss",
                                **({} if args.group == 2 else {"batches": args.batches, "blocks": args.blocks,
                                                               "seed": args.seed})})
     path.with_suffix(".txt").write_text(f"$ {json.loads(path.read_text())['command']}\n{text}\n")
@@ -207,20 +255,22 @@ def main() -> int:
 
 
 def table(rows: list[dict], args, kl_opt: dict) -> str:
+    w = max(5, *(len(str(r["state"])) for r in rows))
     if args.group == 2:
-        head = f"{'state':>5} {'KL(pi||pi*)':>11}  {'configuration':<16}{'KL bias':>9}{'KL var / plain':>16}" \
+        head = f"{'state':>{w}} {'KL(pi||pi*)':>11}  {'configuration':<16}{'KL bias':>9}{'KL var / plain':>16}" \
                f"{'task+KL var / plain':>21}"
         lines = ["Exact over every pair of completions (G = 2), TRL 1.16 GRPOTrainer.compute_loss", head]
-        lines += [f"{r['state']:>5} {kl_opt[r['state']]:>11.4f}  {r['config']:<16}{r['kl_bias']:>9.0e}"
+        lines += [f"{r['state']:>{w}} {kl_opt[r['state']]:>11.4f}  {r['config']:<16}{r['kl_bias']:>9.0e}"
                   f"{r['kl_ratio']:>16.3f}{r['total_ratio']:>21.3f}" for r in rows]
         return "\n".join(lines)
-    head = f"{'state':>5} {'KL(pi||pi*)':>11}  {'configuration':<16}{'task+KL var / plain':>24}{'bias check':>12}"
+    head = f"{'state':>{w}} {'KL(pi||pi*)':>11}  {'configuration':<16}{'task+KL var / plain':>24}{'bias check':>12}"
     lines = [f"Monte Carlo, G = {args.group}, {args.batches} batches per state (paired; {args.blocks} blocks for the "
              f"standard errors), seed {args.seed}, TRL 1.16 GRPOTrainer.compute_loss", head]
-    lines += [f"{r['state']:>5} {kl_opt[r['state']]:>11.4f}  {r['config']:<16}"
+    lines += [f"{r['state']:>{w}} {kl_opt[r['state']]:>11.4f}  {r['config']:<16}"
               f"{r['total_ratio']:>15.3f} +- {r['total_ratio_se']:.3f}{r['bias_check']:>12.2f}" for r in rows]
     lines.append("bias check = |mean - mean(sequence-plain)|^2 / (tr Cov(difference) / batches): ~1 when both are "
-                 "unbiased")
+                 "unbiased" + ("; state CONFIG:SEED:STEP = the policy of that demo training run after STEP steps"
+                              if args.trained else ""))
     return "\n".join(lines)
 
 

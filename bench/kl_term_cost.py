@@ -3,8 +3,10 @@
 Configurations (float32 inputs, the shapes of a long and a wide micro-batch; off-policy: old_logp given, as with PPO
 epochs or async rollouts; on-policy: no old_logp, as in TRL's default num_iterations=1):
   sequence-plain / reward-plain     today's estimators
-  sequence / reward                 reduced, statistics computed from the batch itself (leave-one-out over its rows)
-  sequence+stats                    reduced, statistics precomputed by kl_statistics (the rollout-time path)
+  sequence / reward                 reduced, statistics computed from the batch itself (leave-one-out over its rows),
+                                    fitted with the task advantages and end-of-sequence probabilities an adapter passes
+  sequence+stats                    reduced, statistics precomputed by kl_statistics (the rollout-time path; the loss
+                                    still applies the own rows' termination control variate)
 All configurations of one shape alternate call by call (ABBA); medians and the ratio to the plain preset are reported.
 No framework is involved (framework-level overheads: bench/*_overhead.py).
 Usage: .venvs/core/bin/python bench/kl_term_cost.py [--repeats 60] [--device cpu|cuda] [--note TEXT]
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from timing import alternating, compare, write_result  # noqa: E402
 
-from kl_adapters import kl_statistics, kl_term  # noqa: E402
+from kl_adapters import EndOfSequence, TaskAdvantages, kl_statistics, kl_term  # noqa: E402
 
 #: (B, T, off-policy)
 SHAPES = [(8, 4096, True), (64, 512, True), (8, 4096, False)]
@@ -35,12 +37,15 @@ def batch(b: int, t: int, device: str):
     old = logp + 0.05 * torch.randn(b, t, generator=gen, device=device)
     lengths = torch.randint(t // 2, t + 1, (b,), generator=gen, device=device)
     mask = torch.arange(t, device=device)[None] < lengths[:, None]
-    return logp, ref, old, mask
+    task = TaskAdvantages(torch.randn(b, generator=gen, device=device), 0.05, normalized=True)
+    ends = mask & ~torch.roll(mask, -1, 1)  # the last real token; an EOS where the row stops before t
+    eos = EndOfSequence(0.01 * torch.rand(b, t, generator=gen, device=device), ends & (lengths < t)[:, None], t)
+    return logp, ref, old, mask, task, eos
 
 
-def configs(logp, ref, old, mask, off_policy: bool):
+def configs(logp, ref, old, mask, task, eos, off_policy: bool):
     old = old if off_policy else None
-    stats = kl_statistics(logp, ref, mask, old_logp=old)
+    stats = kl_statistics(logp, ref, mask, old_logp=old, task=task, eos=eos)
 
     def step(preset, **kw):
         def run():
@@ -48,9 +53,9 @@ def configs(logp, ref, old, mask, off_policy: bool):
             kl_term(x, ref, mask, preset=preset, old_logp=old, **kw).surrogate(0.05).backward()
         return run
 
-    return {"sequence-plain": step("sequence-plain"), "sequence": step("sequence"),
-            "sequence+stats": step("sequence", statistics=stats), "reward-plain": step("reward-plain"),
-            "reward": step("reward")}
+    return {"sequence-plain": step("sequence-plain"), "sequence": step("sequence", task=task, eos=eos),
+            "sequence+stats": step("sequence", statistics=stats, eos=eos), "reward-plain": step("reward-plain"),
+            "reward": step("reward", task=task, eos=eos)}
 
 
 def main() -> int:

@@ -76,6 +76,12 @@ KL term, a target that is not a finite number > 0, a preset whose gradient is no
 off-policy), is_clip; RLOOTrainer (not patched). Without kl_target nothing of this runs. Pinned by
 tests/trl/test_budget.py.
 
+Bias-variance dial (``KLGRPOConfig(kl_discount=gamma)``, ``--kl_discount``): the preset's future-KL return
+sum_{s>t} KL_s becomes sum_{s>t} gamma^(s-t) KL_s (``discount=`` of kl_term / kl_statistics / the full-vocabulary
+surrogate, at loss and rollout time alike): lower gradient variance at long completions, biased for gamma < 1 (the
+exact bias: ``kl-adapters audit --discount``, and the doctor's report). Refused for presets without that return and
+without kl_preset (silent no-ops). Measured in docs/long_horizon.md. Pinned by tests/trl/test_long_horizon.py.
+
 Preset ``full`` (kl_adapters.full_vocab: exact KL_t over the vocabulary, Rao-Blackwellized): the reference runs in
 the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL's "ref" adapter). With it set:
   * generation skips TRL's reference log-prob pass (``beta`` is 0 for that call): ``full`` reads the reference's
@@ -127,7 +133,7 @@ from trl import GRPOConfig  # not a trigger module: importing it patches nothing
 
 from .. import activation, native
 from ..activation import Settings
-from .._validate import check_is_clip
+from .._validate import check_discount, check_is_clip
 from ..budget import DEFAULT_RULE, KLBudget, check_budget_preset, check_target
 from ..full_vocab import full_kl_surrogate_from_hidden
 from ..presets import get_preset
@@ -163,6 +169,11 @@ class KLGRPOConfig(GRPOConfig):
             KL budget: target KL(pi || pi_ref) per completion, in nats. `beta` becomes the starting value of a
             controller that adjusts it once per optimizer step so that the sequence KL tracks the target
             (`kl_adapters.budget`). Needs a preset unbiased for the sequence KL. `None`: `beta` stays fixed.
+        kl_discount (`float` or `None`, *optional*, defaults to `None`):
+            The bias-variance dial: gamma in (0, 1] of the preset's future-KL return, sum_{s>t} gamma^(s-t) KL_s in
+            place of sum_{s>t} KL_s (lower gradient variance at long completions, biased; `kl-adapters audit
+            --discount` gives the exact bias). Only for presets with that return (sequence, reward, their `-plain`
+            forms, full). `None` or 1: the exact sequence-level KL gradient.
     """
 
     kl_preset: str | None = field(
@@ -179,6 +190,11 @@ class KLGRPOConfig(GRPOConfig):
         metadata={"help": "KL budget: target KL(pi || pi_ref) per completion in nats; beta starts at `beta` and is "
                           "adjusted every optimizer step to track it. None: beta stays fixed."},
     )
+    kl_discount: float | None = field(
+        default=None,
+        metadata={"help": "gamma in (0, 1] of the KL preset's future-KL return (< 1: lower variance, biased; for "
+                          "sequence, reward, their -plain forms, full). None: 1, the exact gradient."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -186,12 +202,16 @@ class KLGRPOConfig(GRPOConfig):
         check_is_clip(self.kl_is_clip)
         if self.kl_is_clip is not None and settings is None:
             raise ValueError("kl_is_clip is set but kl_preset is not: it would be a silent no-op")
+        if self.kl_discount is not None and settings is None:
+            raise ValueError("kl_discount is set but kl_preset is not: it would be a silent no-op")
         if settings is not None:
             if self.kl_is_clip is not None and get_preset(settings.preset).needs_full_logits:
                 raise ValueError("kl_is_clip does not apply to kl_preset='full': its importance weights are exact")
             if self.beta == 0.0:
                 raise ValueError(f"kl_preset={self.kl_preset!r} with beta=0.0 would be a silent no-op: TRL builds no "
                                  "reference model when beta == 0; set beta > 0")
+            if self.kl_discount is not None:
+                check_discount(self.kl_discount, get_preset(settings.preset))
             patch(_GRPO_MODULE)  # the field must take effect on any GRPOTrainer
         if self.kl_target is not None or (settings is not None and settings.kl_target is not None):
             check_budget(self)
@@ -214,6 +234,12 @@ def settings_of(args: GRPOConfig) -> Settings | None:
     if settings is not None and target is not None:
         settings = replace(settings, kl_target=target)
     return settings
+
+
+def discount_of(args: GRPOConfig) -> float:
+    """gamma of the preset's future-KL return: KLGRPOConfig's kl_discount, 1 (exact) when unset."""
+    discount = getattr(args, "kl_discount", None)
+    return 1.0 if discount is None else discount
 
 
 def _check_code_path(trainer: GRPOTrainer) -> None:
@@ -328,7 +354,8 @@ def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str,
     logp, mask = logps
     group = group_ids(trainer, logp.shape[0]).to(logp.device)
     return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group, preset=preset,
-                         task=task_advantages(trainer, batch, trainer.beta), eos=eos)
+                         task=task_advantages(trainer, batch, trainer.beta), eos=eos,
+                         discount=discount_of(trainer.args))
 
 
 def statistics_of(inputs: dict) -> KLStatistics | None:
@@ -656,6 +683,7 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
     beta_seq = beta * mask.shape[0] / per_token_normaliser(self, inputs, mask)
     options = statistics_inputs(self, settings.preset, inputs, beta,
                                 end_of_sequence(self, seen[0], inputs["completion_ids"], mask))
+    options["discount"] = discount_of(self.args)
     if full:
         return loss + _full_kl(self, model, inputs, seen[0].hidden, logp, behaviour, beta_seq, mask, options).to(
             loss.dtype)

@@ -3,8 +3,9 @@ parser (`trl.scripts.<trainer>.make_parser`, TrlParser: command-line arguments a
 
 Input: the arguments of ``trl grpo|rloo`` (a YAML file as first argument means ``--config``), or an example script
 (``.py``): the arguments of the usage command in its docstring plus the literal keyword arguments of its
-``GRPOConfig(...)`` / ``RLOOConfig(...)`` call. kl-adapters' own fields (``--kl_preset``, ``--kl_is_clip``: see
-`kl_adapters.adapters.trl.KLGRPOConfig`) are read too. ``--use_cpu`` is added when absent: TrainingArguments refuses
+``GRPOConfig(...)`` / ``RLOOConfig(...)`` call. kl-adapters' own fields (``--kl_preset``, ``--kl_is_clip``,
+``--kl_discount``: see `kl_adapters.adapters.trl.KLGRPOConfig`) are read too. ``--use_cpu`` is added when absent:
+TrainingArguments refuses
 bf16 without a GPU, and the device does not touch the KL. ``--num_processes N`` (accelerate's flag, also taken from
 the usage command) is the world size GRPOConfig validates its batch sizes against (default 1); it does not touch the
 KL either.
@@ -25,12 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import native
-from .report import DoctorError, Fix, KLPath, Report, adapter_native, installed_version, settings_or_error
+from .report import (AUDIT_ARGS, DoctorError, Fix, KLPath, Report, adapter_native, installed_version,
+                     settings_or_error)
 from .shell import logical_lines
 
 TRAINERS = ("grpo", "rloo")
 _CONFIG_CLASS = {"grpo": "GRPOConfig", "rloo": "RLOOConfig"}
-_KL_FIELDS = ("--kl_preset", "--kl_is_clip")
+_KL_FIELDS = ("--kl_preset", "--kl_is_clip", "--kl_discount")
 
 BETA_AFTER_FIX = ("TRL's beta keeps its strength relative to the policy loss: the adapter adds the preset's "
                   "sequence-level KL with beta_seq = beta * B / D, D the loss type's own normaliser (grpo, sapo: "
@@ -165,6 +167,7 @@ def _off_policy(report: Report, config) -> None:
 def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
     settings = settings_or_error(kl_flags.get("kl_preset"), "--kl_preset")
     _off_policy(report, config)
+    _discount(report, None if settings is None else settings.preset, kl_flags)
     if config.beta == 0.0:
         if settings is not None:
             report.add("zero-coefficient", "no-op", f"kl_preset={settings} with beta=0.0: TRL builds no reference "
@@ -195,6 +198,33 @@ def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
         "from kl_adapters.adapters.trl import KLGRPOConfig  # in place of GRPOConfig, then kl_preset='sequence'",
         "--kl_preset sequence  (scripts parsing KLGRPOConfig)",
         "KL_ADAPTERS=sequence  (environment, e.g. with `trl grpo`)"), BETA_AFTER_FIX)
+
+
+def _discount(report: Report, preset: str | None, kl_flags: dict[str, str]) -> None:
+    """--kl_discount gamma (KLGRPOConfig's bias-variance dial) of `preset` (None: no kl_preset): refused as
+    KLGRPOConfig refuses it, else, for gamma < 1, a bias hazard with the exact relative bias
+    |E[g_gamma] - grad KL_seq| / |grad KL_seq| of the discounted future-KL return in `AUDIT_PROBLEM` (horizon 4; it
+    grows with the completion length)."""
+    from .._validate import check_discount
+    from ..audit import audit
+    from ..presets import get_preset
+
+    if "kl_discount" not in kl_flags:
+        return
+    try:
+        if preset is None:
+            raise ValueError("kl_discount is set but kl_preset is not: it would be a silent no-op")
+        gamma = float(kl_flags["kl_discount"])
+        check_discount(gamma, get_preset(preset))
+    except ValueError as err:
+        report.add("refused", "bias", f"KLGRPOConfig refuses --kl_discount {kl_flags['kl_discount']}: {err}")
+        return
+    if gamma < 1.0:
+        rows = audit(*AUDIT_ARGS, presets=("sequence",), is_clip=None, discount=gamma)
+        bias = max(r.relative_bias for r in rows if r.discount == gamma and r.regime in report.regimes)
+        report.add("discounted", "bias", f"--kl_discount {gamma:g}: the future-KL return is discounted (lower "
+                   f"variance, biased): exact relative bias {bias:.2%} in the audit problem (horizon 4), larger at "
+                   "long completions (docs/long_horizon.md); 1 or unset is exact")
 
 
 def _rloo(report: Report, config, kl_flags: dict[str, str]) -> None:

@@ -167,6 +167,8 @@ def batch_moments(
     eos: bool = False,
     discount: float = 1.0,
     row_beta: bool = False,
+    fit_task: bool = True,
+    total: bool = False,
     chunk: int = 16384,
 ) -> tuple[Tensor, float]:
     """Exact E[g] and tr Cov[g] of the batch gradient g of `kl_surrogate` on G = group_size i.i.d. sequences.
@@ -182,9 +184,15 @@ def batch_moments(
     mean of its (local) group, divided by the group's standard deviation when normalized (TaskAdvantages, beta 0.5);
     eos: with the policy's end-of-sequence probabilities (EndOfSequence, the termination control variate); row_beta:
     the task's beta per row from the other rows' lengths (a trainer whose normaliser counts tokens). Either way the
-    mean must stay the KL gradient's: only the statistics change.
+    mean must stay the KL gradient's: only the statistics change. fit_task=False: the statistics are fitted without
+    the task (the KL term alone, as before issue 20). total=True (with rewards): g is the trainer's task + KL
+    gradient instead, weight c_t - rho_t A / beta per token (A the advantages, rho_t = pi/mu the token-level ratio whose
+    gradient PPO's task loss takes, 1 on-policy): its E[g] is grad KL_seq - grad E_pi[R] / beta for every preset
+    (the GRPO advantage's group mean adds (G-1)/G: its mean is that of R - mean_others R).
     """
     spec = get_preset(preset)
+    if total and rewards is None:
+        raise ValueError("batch_moments(total=True) needs rewards: the task + KL gradient has a task term")
     n = space.num_sequences
     lp = token_logps(space, logits).detach()
     ref = token_logps(space, ref_logits).detach()
@@ -206,13 +214,19 @@ def batch_moments(
         group = (batch_ids[:, None] * (int(local.max()) + 1) + local).flatten()
         old_rows = None if old is None else old[rows]
         stats = {}
+        extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos, row_beta)
+        task = extra.get("task")
+        if not fit_task:
+            extra.pop("task", None)
         if spec.uses_batch_statistics:
-            extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos, row_beta)
             stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group,
                                                   preset=spec, discount=discount, **extra), "eos": extra.get("eos")}
                      if precomputed else {"group": group, **extra})
         c = kl_coefficients(lp[rows], ref[rows], space.mask[rows], preset=spec, old_logp=old_rows, discount=discount,
                             **stats)
+        if total:
+            ratio = 1.0 if old is None else (lp[rows] - old_rows).exp()
+            c = c - ratio * (task.advantages / task.beta)[:, None] * space.mask[rows]
         values = c[..., None] * score[rows] / group_size  # [C * G, T, V]; c = 0 at padding
         batch_of_row = torch.arange(len(batch_ids)).repeat_interleave(group_size)
         g = torch.zeros(len(batch_ids) * num_params, dtype=DTYPE)
@@ -368,6 +382,66 @@ def _batch_columns(pol: Policies, spec: Preset, regime: str, exact: Tensor, size
                                 discount=discount) for g in sizes}
     return {"batch_variance": {g: g * var for g, (_, var) in moments.items()},
             "batch_bias": {g: relative_error(mean, exact) for g, (mean, _) in moments.items()}}
+
+
+#: the trainer's gradient under `task_audit`: (label, preset, statistics fitted with the task)
+TASK_CONFIGS = (("sequence-plain", "sequence-plain", False), ("sequence, KL-only fit", "sequence", False),
+                ("sequence", "sequence", True))
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """The trainer's task + KL gradient of one configuration under one regime, exact over every ordered batch of G."""
+
+    config: str  # a TASK_CONFIGS label
+    regime: str
+    variance: dict[int, float]  # G -> G x tr Cov of the batch's task + KL gradient
+    bias: dict[int, float]  # G -> |E g - E g(sequence-plain)| / |E g(sequence-plain)|
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def task_audit(vocab: int = 4, horizon: int = 4, seed: int = 0, *, drift: float = 1.0, off_policy: float = 0.5,
+               batch_sizes: tuple[int, ...] = (2, 3), scale: float = 1.0) -> list[TaskRow]:
+    """The gradient a GRPO trainer takes, task + KL, per TASK_CONFIGS (`batch_moments(total=True)`): reward R(y) =
+    scale x u(y), u ~ U(0, 1) per sequence (seeded by `seed`), GRPO advantages R - the batch mean, task beta 0.5,
+    the termination control variate on. Every configuration has the same expected gradient (bias ~ 1e-15 against
+    sequence-plain's, tests/core/test_cli.py); the variance says whether fitting the statistics to the KL term alone
+    (before issue 20) or to the task + KL weight the trainer applies lowers the noise of what is trained."""
+    pol = random_policies(vocab, horizon, seed, drift=drift, off_policy=off_policy)
+    rewards = scale * torch.rand(pol.space.num_sequences, generator=torch.Generator().manual_seed(seed),
+                                 dtype=DTYPE)
+    rows = []
+    for regime in ("on-policy", "off-policy"):
+        behaviour = None if regime == "on-policy" else pol.behaviour_logits
+        moments = {label: {g: batch_moments(pol.space, pol.logits, pol.ref_logits, preset, g,
+                                            behaviour_logits=behaviour, rewards=rewards, eos=True, fit_task=fit,
+                                            total=True) for g in batch_sizes}
+                   for label, preset, fit in TASK_CONFIGS}
+        plain = moments[TASK_CONFIGS[0][0]]
+        rows += [TaskRow(label, regime, {g: g * var for g, (_, var) in by_g.items()},
+                         {g: relative_error(mean, plain[g][0]) for g, (mean, _) in by_g.items()})
+                 for label, by_g in moments.items()]
+    return rows
+
+
+def format_task_table(rows: list[TaskRow]) -> str:
+    """Third table: task + KL variance per configuration and G, and its ratio to sequence-plain's."""
+    sizes = sorted(rows[0].variance)
+    plain = {(r.regime, g): r.variance[g] for r in rows if r.config == TASK_CONFIGS[0][0] for g in sizes}
+    head = "".join(f"{f'var@{g}':>9}" for g in sizes) + "".join(f"{f'bias@{g}':>9}" for g in sizes)
+    lines = ["", "the trainer's gradient, task + KL (GRPO advantages of a random reward per sequence, task beta 0.5, "
+             "termination control variate on), exact over every ordered batch of G: var@G = G x trace Cov; bias@G "
+             "against sequence-plain's mean; ratio = var@G / sequence-plain's",
+             f"{'configuration':<24}{'regime':>11} | {head} | ratio to sequence-plain at G = "
+             f"{', '.join(map(str, sizes))}"]
+    for r in rows:
+        var = "".join(f"{r.variance[g]:>9.3g}" for g in sizes)
+        bias = "".join(f"{r.bias[g]:>9.1e}" for g in sizes)
+        ratio = ", ".join(f"{r.variance[g] / plain[(r.regime, g)]:.3f}" for g in sizes)
+        lines.append(f"{r.config:<24}{r.regime:>11} | {var}{bias} | {ratio}")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[AuditRow], *, vocab: int, horizon: int, seed: int) -> str:

@@ -10,7 +10,7 @@ import sys
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import audit, format_table, kl_seq, random_policies
+    from .audit import audit, format_table, format_task_table, kl_seq, random_policies, task_audit
 
     try:
         sizes = tuple(int(g) for g in args.batch_sizes.split(",") if g.strip())
@@ -21,21 +21,29 @@ def _audit(args: argparse.Namespace) -> int:
         (args.horizon < 1, f"--horizon must be >= 1, got {args.horizon}"),
         (any(g < 1 for g in sizes), f"--batch-sizes must be >= 1, got {args.batch_sizes!r}"),
         (args.discount is not None and not 0 < args.discount < 1, f"--discount must be in (0, 1), got {args.discount}"),
+        (args.task is not None and not (args.task > 0 and any(g >= 3 for g in sizes)),
+         f"--task needs a scale > 0 and --batch-sizes with a G >= 3 (a row's statistics need two other rows), got "
+         f"--task {args.task} --batch-sizes {args.batch_sizes!r}"),
     ) if bad]
     if problems:
         return _refuse("audit", problems[0])
     rows = audit(args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy,
                  is_clip=None if args.is_clip <= 0 else args.is_clip, batch_sizes=sizes, discount=args.discount)
+    task_rows = [] if args.task is None else task_audit(
+        args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy,
+        batch_sizes=tuple(g for g in sizes if g >= 3), scale=args.task)
     if args.json:
         pol = random_policies(args.vocab, args.horizon, args.seed, drift=args.drift, off_policy=args.off_policy)
         doc = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
                "kl_seq": float(kl_seq(pol.space, pol.logits, pol.ref_logits)),
                "num_sequences": pol.space.num_sequences,
-               "rows": [r.as_dict() for r in rows]}
+               "rows": [r.as_dict() for r in rows], "task_rows": [r.as_dict() for r in task_rows]}
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
         print(format_table(rows, vocab=args.vocab, horizon=args.horizon, seed=args.seed))
+        if task_rows:
+            print(format_task_table(task_rows))
     return 0
 
 
@@ -112,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--discount", type=float, default=None, metavar="GAMMA",
                    help="also audit 'sequence' with its future-KL return discounted by GAMMA in (0, 1): the "
                         "bias-variance dial's exact bias (and variance)")
+    a.add_argument("--task", type=float, default=None, metavar="SCALE",
+                   help="also audit the trainer's gradient, task + KL, at the batch sizes >= 3: GRPO advantages of a "
+                        "random reward SCALE x U(0, 1) per sequence; sequence-plain vs sequence fitted to the KL term "
+                        "alone vs to task + KL (G = 3 at the default V, T takes minutes: try -V 3 -T 3)")
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=_audit)
     d = sub.add_parser("demo", help="train a tiny transformer with TRL under each KL configuration; exact evaluation")

@@ -41,3 +41,23 @@ def test_unknown_subcommand_fails():
     out = subprocess.run([sys.executable, "-m", "kl_adapters.cli", "nope"], capture_output=True, text=True,
                          env={**os.environ})
     assert out.returncode != 0 and "invalid choice" in out.stderr
+
+
+def test_task_audit_is_exact_and_compares_the_trainers_gradient():
+    """`kl-adapters audit --task`: the task + KL gradient of every configuration has sequence-plain's mean (every
+    ordered batch of G = 3, 4 enumerated), and its variance is reported per G."""
+    from kl_adapters.audit import TASK_CONFIGS, format_task_table, task_audit
+
+    rows = task_audit(3, 2, 0, drift=0.5, batch_sizes=(3, 4))
+    assert {(r.config, r.regime) for r in rows} == {(c[0], g) for c in TASK_CONFIGS for g in ("on-policy",
+                                                                                               "off-policy")}
+    for r in rows:
+        assert all(b < 1e-12 for b in r.bias.values()) and all(v > 0 for v in r.variance.values())
+    table = format_task_table(rows)
+    assert "sequence, KL-only fit" in table and "ratio to sequence-plain at G = 3, 4" in table
+
+
+def test_task_audit_needs_a_batch_with_statistics():
+    out = subprocess.run([sys.executable, "-m", "kl_adapters.cli", "audit", "--task", "1", "--batch-sizes", "1,2"],
+                         capture_output=True, text=True, env={**os.environ})
+    assert out.returncode == 2 and "--task needs a scale > 0 and --batch-sizes with a G >= 3" in out.stderr

@@ -36,6 +36,7 @@ ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "verl": ("kl_adapters.adapters.verl", ("verl.utils.config", "verl.trainer.constants_ppo", "verl.workers.utils.losses",
                                            "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine_workers",
                                            "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.utils",
+                                           "verl.trainer.ppo.v1.trainer_base",
                                            "verl.trainer.main_ppo_sync")),
     "openrlhf": ("kl_adapters.adapters.openrlhf",
                  ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ppo_utils.experience_maker")),

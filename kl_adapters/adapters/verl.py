@@ -97,12 +97,24 @@ Metrics added beside verl's: ``kl_adapters/seq_kl`` (mean per-sequence KL estima
 ``kl_adapters/is_ess`` (effective sample size of the per-decision importance weights, 1 on-policy: `KLTerm.is_ess`),
 ``kl_adapters/grad_weight_gap`` = sum|c_native - c_preset| / sum|c_preset| (c_native: the per-token weight of verl's
 own ``kl_loss_type``, verl's default low_var_kl for kl_adapters: names, ignoring its +-10 clamp; 0 = no difference).
+
+KL budget (``kl_adapters:<preset>:kl_target=<nats>``, kl_adapters.budget; refused at configuration by
+`check_budget_config`): one controller in the driver, updated once per rollout. Loss path: the trainer's
+_update_actor (v0 RayPPOTrainer, v1 PPOTrainer; `_ship_beta`) ships its beta with the update batch (BETA_KEY, so every
+actor worker and data-parallel rank applies the same value) and ppo_loss's KL term is rescaled by beta / kl_loss_coef;
+afterwards the controller takes the update's kl_adapters/seq_kl, which verl already reduces across ranks (no added
+synchronisation). Reward path: apply_kl_penalty applies the controller's beta through verl's fixed kl_ctrl and updates
+it from the rollout's sequence-KL estimate. State: global_step_<n>/BUDGET_FILE beside verl's checkpoint, written by
+_save_checkpoint and read by _load_checkpoint. Metrics ``kl_adapters/beta``, ``kl_adapters/kl_target``. Pinned by
+tests/verl/test_budget.py.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
+import logging
 import os
 import sys
 import threading
@@ -114,6 +126,7 @@ from torch import Tensor
 
 from .. import activation, native
 from ..activation import ENV_VAR, Settings, parse
+from ..budget import BETA_METRIC, TARGET_METRIC, KLBudget, check_budget_preset
 from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import kl_coefficients, kl_statistics, kl_term, sequence_kl
@@ -223,6 +236,7 @@ def check_config(config) -> None:
         check_reward_settings(reward)
         if actor.loss_agg_mode == "seq-mean-token-mean":
             raise ValueError(_LENGTH_NORMALISED)
+    check_budget_config(config, loss, reward)
 
 
 def _environment_settings(config) -> Settings | None:
@@ -302,7 +316,7 @@ def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:
             _local.captured = None if settings is None else _Captured(
                 settings, kwargs["log_prob"], kwargs["old_log_prob"], kwargs["response_mask"].bool(),
                 kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type), getattr(_local, "rows", None),
-                kwargs["advantages"], float(config.kl_loss_coef), getattr(_local, "reduction", None))
+                kwargs["advantages"], _kl_coef(config), getattr(_local, "reduction", None))
             return policy_loss_fn(*args, **kwargs)
 
         return policy_loss
@@ -325,7 +339,7 @@ def _kl_term(original: Callable) -> Callable:
             raise UnsupportedFrameworkError("verl's ppo_loss passed kl_penalty other log-probs than its policy loss; "
                                             "this verl code path is not the one kl-adapters is tested with")
         term, _local.metrics = _kl_per_token(captured, ref_logprob)
-        return term
+        return _budget_scaled(term, _local.metrics)
 
     return patched
 
@@ -383,6 +397,7 @@ def _with_metrics(ppo_loss: Callable) -> Callable:
 
     def patched(config, model_output, data, *args, **kwargs):
         _local.captured = _local.metrics = None
+        _local.budget = _shipped_budget(config, data)
         _local.rows = data[_ROW] if _ROW in data.keys() else None
         _local.reduction = _reduction_inputs(config, model_output, data)
         loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
@@ -663,12 +678,19 @@ def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
         settings = _reward_settings(kl_penalty)
         if settings is None:
             return apply_kl_penalty(data, kl_ctrl, kl_penalty=kl_penalty)
+        budget = _reward_budget(kl_ctrl, settings)
+        if budget is not None:
+            kl_ctrl.value = budget.beta  # a fixed controller (check_config): the budget sets its value
         beta = float(kl_ctrl.value)  # the value verl applies in this call (it updates kl_ctrl afterwards)
         data, metrics = apply_kl_penalty(data, kl_ctrl, kl_penalty="k1")
         data.meta_info[_REWARD_BETA], data.meta_info[_REWARD_PRESET] = beta, settings.preset
         batch = data.batch
         metrics["kl_adapters/seq_kl"] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
                                                     batch["response_mask"]).mean().item()
+        if budget is not None:
+            metrics.update(budget.metrics())
+            budget.observe(metrics["kl_adapters/seq_kl"], 1)
+            kl_ctrl.value = budget.update()
         return data, metrics
 
     return patched
@@ -718,6 +740,181 @@ def _normalized_by(compute_advantage: Callable, data, args: tuple, kwargs: dict)
     scaling = advantage_scaling(bound.arguments.get("adv_estimator"),
                                 bool(bound.arguments.get("norm_adv_by_std_in_grpo", True)))
     return scaling == "normalized"
+
+
+# ------------------------------------------------------------------------------------------------------ KL budget
+
+#: non-tensor key of the actor's update batch (DataProto.meta_info in verl's v0 trainer, KVBatchMeta.extra_info in v1,
+#: both non-tensor data of the TensorDict every actor worker trains on): the budget's beta for this update
+BETA_KEY = "kl_adapters_beta"
+#: the budgets' state in each checkpoint folder (global_step_<n>/, beside verl's data.pt)
+BUDGET_FILE = "kl_adapters_budget.json"
+#: the driver's metric of the update's sequence-KL estimate (the workers' kl_adapters/seq_kl, as verl collects it)
+_SEQ_KL = "actor/kl_adapters/seq_kl"
+_BUDGET_ATTR = "_kl_adapters_budget"
+_log = logging.getLogger("kl_adapters")
+
+
+def check_budget_config(config, loss: Settings | None, reward: Settings | None) -> None:
+    """Refuse a kl_target that cannot do what it says (driver, before Ray starts): a starting beta that is not > 0
+    (kl_loss_coef / kl_ctrl.kl_coef), verl's adaptive controller on the same path (two controllers of one beta), or
+    a preset whose gradient is not the sequence KL's for these batches (`budget.check_budget_preset`; the loss path
+    is off-policy with several mini-batches or ppo_epochs > 1). Pinned by tests/verl/test_budget.py."""
+    actor, algo = config.actor_rollout_ref.actor, config.algorithm
+    if loss is not None and loss.kl_target is not None:
+        if not float(actor.kl_loss_coef) > 0:
+            raise ValueError(f"kl_target={loss.kl_target} starts from actor_rollout_ref.actor.kl_loss_coef, which is "
+                             f"{actor.kl_loss_coef}: set it > 0")
+        off_policy = actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < config.data.train_batch_size
+        check_budget_preset(loss.preset, loss.is_clip, off_policy=off_policy)
+    if reward is not None and reward.kl_target is not None:
+        if algo.kl_ctrl.type != "fixed":
+            raise ValueError(f"kl_target={reward.kl_target} and algorithm.kl_ctrl.type={algo.kl_ctrl.type} would both "
+                             "set the reward's KL coefficient: use algorithm.kl_ctrl.type=fixed with a kl_target")
+        if not float(algo.kl_ctrl.kl_coef) > 0:
+            raise ValueError(f"kl_target={reward.kl_target} starts from algorithm.kl_ctrl.kl_coef, which is "
+                             f"{algo.kl_ctrl.kl_coef}: set it > 0")
+
+
+def _shipped_budget(config, data) -> tuple[float, float, float] | None:
+    """(beta, kl_loss_coef, target) of this ppo_loss call when its actor config sets a kl_target: beta is what the
+    driver shipped with the update batch (BETA_KEY), None without a target. UnsupportedFrameworkError when the batch
+    carries none (an update that did not go through verl's trainer: nothing would adjust beta)."""
+    settings = _loss_settings(config)
+    if settings is None or settings.kl_target is None:
+        return None
+    from verl.utils import tensordict_utils as tu
+
+    beta = tu.get_non_tensor_data(data=data, key=BETA_KEY, default=None)
+    if beta is None:
+        raise UnsupportedFrameworkError(
+            f"kl_loss_type={config.kl_loss_type}: ppo_loss received no {BETA_KEY} with its batch; the KL budget's beta "
+            "is set by verl's trainer (RayPPOTrainer / v1 PPOTrainer._update_actor) and shipped with each update")
+    return float(beta), float(config.kl_loss_coef), settings.kl_target
+
+
+def _kl_coef(config) -> float:
+    """The KL coefficient this ppo_loss call applies: the shipped budget beta, else kl_loss_coef."""
+    budget = getattr(_local, "budget", None)
+    return budget[0] if budget is not None else float(config.kl_loss_coef)
+
+
+def _budget_scaled(term: Tensor, metrics: dict) -> Tensor:
+    """ppo_loss multiplies the KL term by kl_loss_coef; under a budget the term is rescaled so that the product is the
+    shipped beta times it, and kl_adapters/beta, kl_adapters/kl_target join the metrics."""
+    budget = getattr(_local, "budget", None)
+    if budget is None:
+        return term
+    from verl.utils.metric import AggregationType, Metric
+
+    beta, coef, target = budget
+    metrics.update({BETA_METRIC: Metric(AggregationType.MEAN, beta), TARGET_METRIC: Metric(AggregationType.MEAN, target)})
+    return term * (beta / coef)
+
+
+def _loss_budget(trainer) -> KLBudget | None:
+    """A verl trainer's loss-path budget (driver side), made at first use from its actor config: target = the
+    kl_loss_type value's kl_target, initial beta = kl_loss_coef; None without a target."""
+    actor = trainer.config.actor_rollout_ref.actor
+    settings = _loss_settings(actor)
+    if settings is None or settings.kl_target is None:
+        return None
+    if _BUDGET_ATTR not in trainer.__dict__:
+        setattr(trainer, _BUDGET_ATTR, KLBudget(settings.kl_target, float(actor.kl_loss_coef)))
+    return getattr(trainer, _BUDGET_ATTR)
+
+
+def _reward_budget(kl_ctrl, settings: Settings | None) -> KLBudget | None:
+    """The reward-path budget, kept on verl's KL controller object (initial beta = its value); None without a target."""
+    if settings is None or settings.kl_target is None:
+        return None
+    if _BUDGET_ATTR not in kl_ctrl.__dict__:
+        setattr(kl_ctrl, _BUDGET_ATTR, KLBudget(settings.kl_target, float(kl_ctrl.value)))
+    return getattr(kl_ctrl, _BUDGET_ATTR)
+
+
+def _trainer_budgets(trainer) -> dict[str, KLBudget]:
+    """The trainer's budgets by path ("loss", "reward"), as checkpoints store them."""
+    budgets = {"loss": _loss_budget(trainer)}
+    algo, kl_ctrl = trainer.config.algorithm, getattr(trainer, "kl_ctrl_in_reward", None)
+    if algo.get("use_kl_in_reward", False) and kl_ctrl is not None:
+        budgets["reward"] = _reward_budget(kl_ctrl, _reward_settings(algo.kl_penalty))
+    return {path: budget for path, budget in budgets.items() if budget is not None}
+
+
+def _ship_beta(update_actor: Callable) -> Callable:
+    """Wrap a trainer's _update_actor (driver, once per rollout): with a loss-path budget, ship its beta in the batch's
+    non-tensor info (BETA_KEY) to every actor worker, then update it from the update's sequence-KL estimate: the mean
+    over mini-batches of verl's data-parallel mean of the workers' kl_adapters/seq_kl (each micro-batch's mean of
+    `KLTerm.sequence_kl`, importance-weighted after the first mini-batch). v0 (RayPPOTrainer) returns the metrics in
+    its output's meta_info, v1 (PPOTrainer) writes them into its `metrics` argument."""
+
+    def patched(self, batch, *args, **kwargs):
+        budget = _loss_budget(self)
+        if budget is None:
+            return update_actor(self, batch, *args, **kwargs)
+        (batch.extra_info if hasattr(batch, "extra_info") else batch.meta_info)[BETA_KEY] = budget.beta
+        output = update_actor(self, batch, *args, **kwargs)
+        metrics = (args[0] if args else kwargs["metrics"]) if hasattr(batch, "extra_info") else output.meta_info["metrics"]
+        value = metrics.get(_SEQ_KL)
+        if value is None:
+            raise UnsupportedFrameworkError(f"verl's actor update returned no {_SEQ_KL} metric for the KL budget: this "
+                                            "verl code path is not the tested one")
+        values = value if isinstance(value, list) else [value]
+        budget.observe(sum(values) / len(values), 1)
+        budget.update()
+        return output
+
+    return patched
+
+
+def _checkpoint_folder(trainer) -> str:
+    """global_step_<n>/ of the trainer's current step under trainer.default_local_dir (absolute, as verl resolves it),
+    or trainer.resume_from_path with resume_mode=resume_path."""
+    trainer_config = trainer.config.trainer
+    if trainer_config.resume_mode == "resume_path":
+        return os.path.abspath(trainer_config.resume_from_path)
+    return os.path.join(os.path.abspath(trainer_config.default_local_dir), f"global_step_{trainer.global_steps}")
+
+
+def _save_budgets(save_checkpoint: Callable) -> Callable:
+    """Wrap a trainer's _save_checkpoint: also write the budgets' state to global_step_<n>/BUDGET_FILE."""
+
+    def patched(self, *args, **kwargs):
+        output = save_checkpoint(self, *args, **kwargs)
+        budgets = _trainer_budgets(self)
+        if budgets:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, BUDGET_FILE), "w") as f:
+                json.dump({path: budget.state_dict() for path, budget in budgets.items()}, f)
+        return output
+
+    return patched
+
+
+def _load_budgets(load_checkpoint: Callable) -> Callable:
+    """Wrap a trainer's _load_checkpoint: after verl resumed (global_steps > 0), restore the budgets saved in that
+    checkpoint folder; one saved without a budget leaves the configured beta (logged)."""
+
+    def patched(self, *args, **kwargs):
+        output = load_checkpoint(self, *args, **kwargs)
+        budgets = _trainer_budgets(self)
+        if budgets and self.global_steps:
+            path = os.path.join(_checkpoint_folder(self), BUDGET_FILE)
+            stored = {}
+            if os.path.exists(path):
+                with open(path) as f:
+                    stored = json.load(f)
+            for name, budget in budgets.items():
+                if name in stored:
+                    budget.load_state_dict(stored[name])
+                else:
+                    _log.warning("kl-adapters: %s holds no %s-path KL budget; it starts from the configured beta %g",
+                                 path, name, budget.beta)
+        return output
+
+    return patched
 
 
 # ----------------------------------------------------------------------------------------------- driver helpers
@@ -819,7 +1016,14 @@ SITES: dict[str, tuple[_Site, ...]] = {
     "verl.trainer.ppo.ray_trainer": (
         _Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward),
         _Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl),
+        *(_Site(name, params, wrap, owner="RayPPOTrainer") for name, params, wrap in (
+            ("_update_actor", ("self", "batch"), _ship_beta), ("_save_checkpoint", ("self",), _save_budgets),
+            ("_load_checkpoint", ("self",), _load_budgets))),
     ),
+    # the v1 trainer's driver methods (KL budget: beta shipped with each update, its state in the checkpoint)
+    "verl.trainer.ppo.v1.trainer_base": tuple(_Site(name, params, wrap, owner="PPOTrainer") for name, params, wrap in (
+        ("_update_actor", ("self", "batch", "metrics"), _ship_beta), ("_save_checkpoint", ("self",), _save_budgets),
+        ("_load_checkpoint", ("self",), _load_budgets))),
     # the TransferQueue trainer's advantage step: it broadcasts GRPO's advantage of each session's final output to
     # every row, overwriting what the inner compute_advantage added, so it is wrapped itself. verl 0.9.x: in the v1
     # trainer's utils; verl 0.8.0 (no v1 package): defined in its TransferQueue trainer module main_ppo_sync

@@ -39,7 +39,8 @@ ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                                            "verl.trainer.ppo.v1.trainer_base",
                                            "verl.trainer.main_ppo_sync")),
     "openrlhf": ("kl_adapters.adapters.openrlhf",
-                 ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ppo_utils.experience_maker")),
+                 ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ppo_utils.experience_maker",
+                  "openrlhf.trainer.ppo_trainer")),
 }
 
 

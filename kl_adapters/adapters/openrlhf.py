@@ -86,6 +86,15 @@ Releases (their KL code diffed, not only tested): what differs and where it is h
                       loss_batch_info and normalises each micro-batch by its own token count (0.10.4 introduced the
                       optimizer-step normalisers, loss_utils.iter_grad_accum_global_norm), so `_loss_term`'s scale
                       would be wrong.
+
+KL budget (``--algo.kl.seq_target <nats>`` or ``--algo.kl.preset <preset>:kl_target=<nats>``, kl_adapters.budget;
+refused at parsing by `_check_budget`): one controller in the single controller (BasePPOTrainer), updated once per
+rollout (`_wrap_train_step`): OpenRLHF's fixed KL controller holds its beta, which train_step passes to every actor's
+fit as kl_ctl (loss path) and the experience maker applies (reward path); afterwards it takes the step's
+kl_adapters/seq_kl, which ppo_train already averaged and all-reduced over the data-parallel ranks (no added
+synchronisation). State: a key of OpenRLHF's checkpoint client_states (`_wrap_save`, restored by
+`_wrap_init_checkpoint_states`). Metrics ``kl_adapters/beta``, ``kl_adapters/kl_target``. Pinned by
+tests/openrlhf/test_budget.py.
 """
 
 from __future__ import annotations
@@ -107,6 +116,7 @@ from torch import Tensor
 
 from .. import activation, native
 from ..activation import Settings
+from ..budget import KLBudget, check_budget_preset
 from ..presets import get_preset
 from ..reductions import KLStatistics
 from ..surrogate import KLTerm, kl_coefficients, kl_reward, kl_term, sequence_kl
@@ -121,6 +131,7 @@ GRAD_WEIGHT_GAP = "kl_adapters/grad_weight_gap"
 IS_ESS = "kl_adapters/is_ess"
 
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
+_PPO_TRAINER = "openrlhf.trainer.ppo_trainer"
 _EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker"
 _CONFIG = "openrlhf.utils.config"
 _ACTOR = "openrlhf.models.actor"
@@ -141,7 +152,7 @@ class PresetFlag(str):
 def _receive_flag(value: str) -> PresetFlag:
     settings = activation.parse(value)
     if settings is not None:
-        activation.enable(settings.preset, is_clip=settings.is_clip)
+        activation.enable(settings.preset, is_clip=settings.is_clip, kl_target=settings.kl_target)
     return PresetFlag(value)
 
 
@@ -166,6 +177,8 @@ def check_args(args: Any, settings: Settings) -> None:
                          "reference model, so the preset would be a silent no-op; set init_coef > 0 or drop the flag")
     if not kl.use_loss:
         _check_reward_path(args, settings, flag)
+    if settings.kl_target is not None:
+        _check_budget(args, settings, flag)
     untested = [name for name, on in (("--ds.packing_samples", args.ds.packing_samples),
                                       ("--ds.ring_attn_size > 1", args.ds.ring_attn_size > 1),
                                       ("--ds.tensor_parallel_size > 1", args.ds.tensor_parallel_size > 1)) if on]
@@ -553,6 +566,92 @@ def _wrap_reward_kl(original: Callable) -> Callable:
     return compute_approx_kl
 
 
+# ---- KL budget (kl_target), in the single controller (PPOTrainer / TrainingActor) ----------------------------------
+
+#: client_states key of the budget's state in OpenRLHF's checkpoint (saved with the actor's DeepSpeed checkpoint)
+BUDGET_STATE = "kl_adapters_budget"
+
+
+def _check_budget(args: Any, settings: Settings, flag: str) -> None:
+    """Refuse a kl_target that cannot do what it says: OpenRLHF's own adaptive controller on the same beta
+    (--algo.kl.target), or a preset whose gradient is not the sequence KL's for these batches (the loss path is
+    off-policy with several epochs or optimizer steps per rollout; `budget.check_budget_preset`)."""
+    kl = args.algo.kl
+    if kl.target:
+        raise ValueError(f"{flag} and --algo.kl.target {kl.target} would both set beta (OpenRLHF's adaptive "
+                         "controller targets a per-token KL): drop --algo.kl.target")
+    samples = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    off_policy = kl.use_loss and (args.train.max_epochs > 1 or args.train.batch_size < samples)
+    check_budget_preset(settings.preset, settings.is_clip, off_policy=off_policy, name=f"{flag}: kl_target")
+
+
+def _budget(trainer: Any) -> KLBudget | None:
+    """The single controller's KL budget (initial beta = --algo.kl.init_coef, OpenRLHF's fixed controller's value),
+    made at first use; None without kl_target."""
+    settings = _settings(trainer.args)
+    if settings is None or settings.kl_target is None:
+        return None
+    budget = trainer.__dict__.get(BUDGET_STATE)
+    if budget is None:
+        check_args(trainer.args, settings)
+        budget = trainer.__dict__[BUDGET_STATE] = KLBudget(settings.kl_target, float(trainer.kl_ctl.value))
+    return budget
+
+
+def _wrap_train_step(original: Callable) -> Callable:
+    """BasePPOTrainer.train_step (once per rollout) under a budget: OpenRLHF's fixed KL controller, shared with the
+    experience maker (reward path) and passed to the actors' fit as kl_ctl (loss path), takes the budget's beta;
+    after the step the budget is updated from the step's kl_adapters/seq_kl, which OpenRLHF's ppo_train averaged
+    over the step's samples and all-reduced over the data-parallel ranks (loss path: importance-weighted estimates
+    at each micro-batch; reward path: the rollout's). Adds kl_adapters/beta and kl_adapters/kl_target to the status."""
+
+    @functools.wraps(original)
+    def train_step(self, rollout_samples, global_step):
+        budget = _budget(self)
+        if budget is None:
+            return original(self, rollout_samples, global_step)
+        self.kl_ctl.value = budget.beta
+        status, step = original(self, rollout_samples, global_step)
+        if SEQ_KL not in status:
+            raise UnsupportedFrameworkError(f"OpenRLHF's train_step returned no {SEQ_KL} for the KL budget: "
+                                            f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
+        status.update(budget.metrics())
+        budget.observe(float(status[SEQ_KL]), 1)
+        self.kl_ctl.value = budget.update()
+        return status, step
+
+    return train_step
+
+
+def _wrap_save(original: Callable) -> Callable:
+    """BasePPOTrainer.save_logs_and_checkpoints: the budget's state joins OpenRLHF's client_states (saved with the
+    actor's checkpoint, returned by get_checkpoint_states on resume)."""
+
+    @functools.wraps(original)
+    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        budget = _budget(self)
+        if budget is not None:
+            client_states = {**(client_states or {}), BUDGET_STATE: budget.state_dict()}
+        return original(self, global_step, logs_dict, client_states)
+
+    return save_logs_and_checkpoints
+
+
+def _wrap_init_checkpoint_states(original: Callable) -> Callable:
+    """BasePPOTrainer.init_checkpoint_states (fit's resume): restore the budget from the checkpoint's client_states."""
+
+    @functools.wraps(original)
+    def init_checkpoint_states(self):
+        states = original(self)
+        budget = _budget(self)
+        if budget is not None and BUDGET_STATE in states:
+            budget.load_state_dict(states[BUDGET_STATE])
+            self.kl_ctl.value = budget.beta
+        return states
+
+    return init_checkpoint_states
+
+
 # ---- hierarchize (the driver's CLI) --------------------------------------------------------------------------------
 
 
@@ -600,6 +699,8 @@ def patch(trigger: str) -> None:
 
     openrlhf.trainer.ray.ppo_actor: ActorPPOTrainer.training_step, its compute_approx_kl binding, and
         openrlhf.utils.config.hierarchize (the CLI's args builder, which then carries the flag into the actors);
+    openrlhf.trainer.ppo_trainer: BasePPOTrainer.train_step, save_logs_and_checkpoints, init_checkpoint_states (the KL
+        budget, in the single controller);
     openrlhf.trainer.ppo_utils.experience_maker: RemoteExperienceMaker.make_experience, its compute_approx_kl binding.
     """
     _refuse_incompatible(require_version("openrlhf"))
@@ -611,13 +712,17 @@ def patch(trigger: str) -> None:
         _replace(actor.Actor, "forward", _wrap_actor_forward)
         _replace(actor, "log_probs_from_logits", _wrap_log_probs_from_logits)
         _replace(importlib.import_module(_CONFIG), "hierarchize", _wrap_hierarchize)
+    elif trigger == _PPO_TRAINER:
+        _replace(module.BasePPOTrainer, "train_step", _wrap_train_step)
+        _replace(module.BasePPOTrainer, "save_logs_and_checkpoints", _wrap_save)
+        _replace(module.BasePPOTrainer, "init_checkpoint_states", _wrap_init_checkpoint_states)
     elif trigger == _EXPERIENCE_MAKER:
         _replace(module.RemoteExperienceMaker, "make_experience", _wrap_make_experience)
         _replace(module.RemoteExperienceMaker, "compute_advantages_and_returns", _wrap_compute_advantages)
         _replace(module, "compute_approx_kl", _wrap_reward_kl)
     else:
-        raise ValueError(f"{trigger!r} is not an OpenRLHF module kl-adapters patches ({_PPO_ACTOR} or "
-                         f"{_EXPERIENCE_MAKER})")
+        raise ValueError(f"{trigger!r} is not an OpenRLHF module kl-adapters patches ({_PPO_ACTOR}, {_PPO_TRAINER} "
+                         f"or {_EXPERIENCE_MAKER})")
 
 
 def unpatch() -> None:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from .. import native
 from ..activation import ENV_VAR
-from .report import OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, settings_or_error
+from .report import (OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
+                     per_token_target, settings_or_error)
 from .shell import launch_arguments
 
 MODULES = ("openrlhf.cli.train_ppo_ray", "kl_adapters.adapters.openrlhf_cli")
@@ -50,7 +51,7 @@ def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True
     not know (e.g. a script written for another release), reporting them, where OpenRLHF itself would refuse them."""
     version = installed_version("openrlhf")
     command = launch_arguments(argv, MODULES, os.environ if env is None else env)
-    preset_flag, args_in = _strip_flag(command.args)
+    preset_flag, seq_target, args_in = _strip_flag(command.args)
     report = Report("openrlhf", version, " ".join(argv) or "(OpenRLHF defaults)", unresolved=command.unresolved)
     report.check_version()
     args, printed, unknown, filled = parse(args_in, strict=strict)
@@ -62,15 +63,32 @@ def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True
                             "does not read it)")
     report.notes += [f"OpenRLHF: {line}" for line in printed]
     flag = preset_flag if preset_flag is not None else command.variables.get(ENV_VAR)
-    _analyse(report, args, settings_or_error(flag, FLAG if preset_flag is not None else ENV_VAR))
+    _analyse(report, args, _with_seq_target(settings_or_error(flag, FLAG if preset_flag is not None else ENV_VAR),
+                                            seq_target))
     return report
 
 
-def _strip_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+def _strip_flag(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """(--algo.kl.preset, --algo.kl.seq_target, the other arguments): the openrlhf_cli wrapper's flags."""
+    from ..adapters.openrlhf_cli import TARGET_FLAG
+
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument(FLAG, dest="preset")
+    parser.add_argument(TARGET_FLAG, dest="seq_target")
     known, rest = parser.parse_known_args(argv)
-    return known.preset, rest
+    return known.preset, known.seq_target, rest
+
+
+def _with_seq_target(settings, seq_target: str | None):
+    """The settings with --algo.kl.seq_target as their KL budget, as the openrlhf_cli wrapper makes them."""
+    from ..adapters.openrlhf_cli import TARGET_FLAG, with_target
+
+    if seq_target is None:
+        return settings
+    try:
+        return with_target(settings, float(seq_target))
+    except ValueError as err:
+        raise DoctorError(f"{TARGET_FLAG} {seq_target}: {err}") from None
 
 
 #: Arguments OpenRLHF's validation needs but the KL analysis never reads, with a neutral value filled in when the
@@ -216,7 +234,8 @@ def _analyse(report: Report, args, settings) -> None:
             report.add("refused", severity, f"kl-adapters refuses this configuration before Ray starts: {refusal}")
     if kl.target is not None:
         report.add("adaptive-controller", "warning", f"--algo.kl.target {kl.target:g}: the adaptive controller "
-                   "compares the target with a per-token mean KL, not KL_seq, so beta drifts with response length")
+                   "compares the target with a per-token mean KL, not KL_seq, so beta drifts with response length; "
+                   + per_token_target(kl.target, args.rollout.max_new_tokens, "--algo.kl.seq_target <that>"))
     if kl.use_loss:
         _loss_path(report, args, coef, settings)
     elif coef > 0:
@@ -245,6 +264,7 @@ def _loss_path(report: Report, args, coef: float, settings) -> None:
     if settings is not None:
         report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
                                                                          "openrlhf")))
+        note_budget(report, settings, f"--algo.kl.init_coef {coef:g}", "rollout", "--algo.kl.seq_target")
         return
     report.paths.append(KLPath("loss", setting, coef, native.openrlhf_loss(kl.estimator, unbiased)))
     report.add("clamp", "warning", f"OpenRLHF clamps the estimator's value to +-{native.OPENRLHF_VALUE_CLAMP:g}: zero "
@@ -260,6 +280,7 @@ def _reward_path(report: Report, args, coef: float, settings) -> None:
     if settings is not None:
         report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
                                                                            "openrlhf")))
+        note_budget(report, settings, f"--algo.kl.init_coef {coef:g}", "rollout", "--algo.kl.seq_target")
         return
     kl_native = native.openrlhf_reward(kl.estimator)
     report.paths.append(KLPath("reward", setting, coef, kl_native))

@@ -254,6 +254,26 @@ def adapter_native(preset: str, flag: str, adapter: str) -> NativeKL:
                             f"({get_preset(preset).gradient})", f"kl_adapters/adapters/{adapter}.py")
 
 
+def note_budget(report: Report, settings, beta: str, cadence: str, flag: str) -> None:
+    """The KL budget (kl_adapters.budget) of a path with kl-adapters' settings: its target, or, with a fixed beta, how
+    to state one (the KL per sequence a fixed beta leads to is known only from the run's logs)."""
+    if settings is not None and settings.kl_target is not None:
+        report.notes.append(f"KL budget: {settings.kl_target:g} nats of KL(pi || pi_ref) per sequence; {beta} is the "
+                            f"controller's starting value and follows once per {cadence} (kl_adapters.budget; metrics "
+                            "kl_adapters/beta, kl_adapters/kl_target)")
+    elif settings is not None:
+        report.notes.append(f"fixed beta ({beta}): its KL per sequence is known only from the run; to state that KL "
+                            f"and let beta follow, set {flag}=<the run's logged kl_adapters/seq_kl, nats per sequence>")
+
+
+def per_token_target(target: float, max_length: int | None, setting: str) -> str:
+    """What a native adaptive controller's per-token KL target is per sequence (KL_seq = sum_t KL_t ~ target x the
+    mean length), and the kl-adapters `setting` (naming it <that>) that targets KL_seq itself."""
+    bound = f"; at most {target * max_length:g} nats at the maximum length {max_length}" if max_length else ""
+    return (f"the same per-sequence budget is about {target:g} x the mean response length{bound}: kl-adapters' "
+            f"{setting} targets KL_seq itself")
+
+
 def settings_or_error(value: str | None, where: str):
     """activation.parse(value), with an unknown preset as an unreadable configuration (exit 2)."""
     from ..activation import parse

@@ -23,16 +23,17 @@ import io
 import shlex
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from .. import native
-from .report import (AUDIT_ARGS, DoctorError, Fix, KLPath, Report, adapter_native, installed_version,
-                     settings_or_error)
+from .report import (AUDIT_ARGS, OFF, DoctorError, Fix, KLPath, Report, adapter_native, installed_version,
+                     note_budget, settings_or_error)
 from .shell import logical_lines
 
 TRAINERS = ("grpo", "rloo")
 _CONFIG_CLASS = {"grpo": "GRPOConfig", "rloo": "RLOOConfig"}
-_KL_FIELDS = ("--kl_preset", "--kl_is_clip", "--kl_discount")
+_KL_FIELDS = ("--kl_preset", "--kl_is_clip", "--kl_target", "--kl_discount")
 
 BETA_AFTER_FIX = ("TRL's beta keeps its strength relative to the policy loss: the adapter adds the preset's "
                   "sequence-level KL with beta_seq = beta * B / D, D the loss type's own normaliser (grpo, sapo: "
@@ -177,8 +178,10 @@ def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
     setting = (f"beta={config.beta:g}, loss_type={config.loss_type}, use_bias_correction_kl="
                f"{config.use_bias_correction_kl}, importance_sampling_level={config.importance_sampling_level}")
     if settings is not None:
+        settings = _budget(report, settings, kl_flags)
         report.paths.append(KLPath("loss", f"kl_preset={settings}, beta={config.beta:g}", config.beta,
                                    adapter_native(settings.preset, f"kl_preset={settings}", "trl")))
+        note_budget(report, settings, f"beta={config.beta:g}", "optimizer step", "--kl_target")
         if config.use_liger_kernel:
             report.add("refused", "bias", "kl-adapters refuses use_liger_kernel=True (untested) at the first step")
         return
@@ -198,6 +201,33 @@ def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
         "from kl_adapters.adapters.trl import KLGRPOConfig  # in place of GRPOConfig, then kl_preset='sequence'",
         "--kl_preset sequence  (scripts parsing KLGRPOConfig)",
         "KL_ADAPTERS=sequence  (environment, e.g. with `trl grpo`)"), BETA_AFTER_FIX)
+
+
+def _budget(report: Report, settings, kl_flags: dict[str, str]):
+    """The settings with --kl_target as their budget (KLGRPOConfig's field); a budget KLGRPOConfig refuses (bad target,
+    a preset not unbiased for the sequence KL in this run's regimes, is_clip of --kl_is_clip or the preset value) is
+    reported as refused."""
+    from ..budget import check_budget_preset, check_target
+
+    if "kl_target" not in kl_flags:
+        return settings
+    value = kl_flags["kl_target"]
+    try:
+        target = check_target(float(value) if _is_number(value) else value)
+        is_clip = float(kl_flags["kl_is_clip"]) if _is_number(kl_flags.get("kl_is_clip", "")) else settings.is_clip
+        check_budget_preset(settings.preset, is_clip, off_policy=OFF in report.regimes)
+    except ValueError as err:
+        report.add("refused", "bias", f"KLGRPOConfig refuses this KL budget: {err}")
+        return settings
+    return replace(settings, kl_target=target)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _discount(report: Report, preset: str | None, kl_flags: dict[str, str]) -> None:

@@ -18,7 +18,8 @@ from contextlib import contextmanager
 
 from .. import native
 from ..activation import ENV_VAR
-from .report import OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, settings_or_error
+from .report import (OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
+                     per_token_target, settings_or_error)
 from .shell import UNRESOLVED, launch_arguments
 
 MODULES = ("verl.trainer.main_ppo",)
@@ -244,6 +245,8 @@ def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> Non
         raise DoctorError(f"{_ACTOR}.kl_loss_type: {err}") from None
     if settings is not None:
         report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{loss_type}", "verl")))
+        note_budget(report, settings, f"kl_loss_coef={coef}", "rollout", f"{_ACTOR}.kl_loss_type=kl_adapters:"
+                    f"{settings.preset}:kl_target")
     else:
         kl = native.verl_loss(loss_type)
         report.paths.append(KLPath("loss", setting, coef, kl))
@@ -273,11 +276,16 @@ def _reward_path(report: Report, config, agg: str, default) -> None:
     except ValueError as err:
         raise DoctorError(f"{_ALGO}.kl_penalty: {err}") from None
     if ctrl == "adaptive":
+        target, length = _number(config, f"{_ALGO}.kl_ctrl.target_kl"), _number(config, "data.max_response_length")
         report.add("adaptive-controller", "warning", "kl_ctrl.type=adaptive compares target_kl with the batch mean "
                    "of each sequence's token-mean KL (ray_trainer.py:108-112): a per-token unit, not KL_seq; beta then "
-                   "varies with response length")
+                   "varies with response length" + ("" if not target else "; " + per_token_target(
+                       target, None if length is None else int(length), f"{_ALGO}.kl_penalty='kl_adapters:reward:"
+                       "kl_target=<that>' (with kl_ctrl.type=fixed)")))
     if settings is not None:
         report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.preset, penalty, "verl")))
+        note_budget(report, settings, f"kl_ctrl.kl_coef={coef}", "rollout",
+                    f"{_ALGO}.kl_penalty=kl_adapters:{settings.preset}:kl_target")
         return
     kl = native.verl_reward(penalty, to_go=estimator in _TO_GO)
     report.paths.append(KLPath("reward", setting, coef, kl))

@@ -94,6 +94,10 @@ HAZARDS = [
     (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.init_coef", "0"], "refused", "no-op"),
     (BASE + ["--algo.kl.preset", "sequence"], "refused", "bias"),
     (BASE + ["--algo.kl.preset", "reward", "--algo.kl.estimator", "k3"], "refused", "bias"),
+    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.seq_target", "0.5", "--algo.kl.target", "0.01"], "refused",
+     "bias"),
+    (LOSS + ["--algo.kl.preset", "reward", "--algo.kl.seq_target", "0.5", "--train.max_epochs", "2"], "refused",
+     "bias"),
 ]
 
 
@@ -127,21 +131,39 @@ def test_k3_in_the_reward_is_k3_reward():
 def test_adapter_refusals_agree():
     """The configurations check_args refuses are exactly those reported as 'refused'."""
     from kl_adapters.activation import parse as parse_settings
+    from kl_adapters.adapters.openrlhf_cli import with_target
     from kl_adapters.doctor.openrlhf import _strip_flag
 
     for argv, _, _ in HAZARDS:
         if lacking(argv):  # a flag of a later OpenRLHF release (test_hazard reports it skipped)
             continue
-        flag, rest = _strip_flag(argv)
+        flag, seq_target, rest = _strip_flag(argv)
         if flag is None:
             assert "refused" not in codes(doctor(*argv))
             continue
         try:
-            adapter.check_args(parse(rest)[0], parse_settings(flag))
+            adapter.check_args(parse(rest)[0], with_target(parse_settings(flag), seq_target and float(seq_target)))
             refused = False
         except ValueError:
             refused = True
         assert refused == ("refused" in codes(doctor(*argv))), argv
+
+
+def test_kl_budget_is_noted_and_a_fixed_beta_is_told_how_to_state_one():
+    for flags in (["--algo.kl.seq_target", "0.5"], ["--algo.kl.preset", "sequence:kl_target=0.5"]):
+        report = doctor(*LOSS, "--algo.kl.init_coef", "0.01", "--algo.kl.preset", "sequence", *flags)
+        assert report.verdict == "unbiased"
+        assert any(n.startswith("KL budget: 0.5 nats of KL(pi || pi_ref) per sequence; --algo.kl.init_coef 0.01 is "
+                                "the controller's starting value and follows once per rollout") for n in report.notes)
+    fixed = doctor(*LOSS, "--algo.kl.init_coef", "0.01", "--algo.kl.preset", "sequence")
+    assert any("set --algo.kl.seq_target=<the run's logged kl_adapters/seq_kl" in n for n in fixed.notes)
+
+
+def test_adaptive_controller_warning_gives_the_per_sequence_budget():
+    report = doctor(*BASE, "--algo.kl.target", "0.01", "--rollout.max_new_tokens", "100")
+    (warning,) = [h for h in report.hazards if h.code == "adaptive-controller"]
+    assert "about 0.01 x the mean response length; at most 1 nats at the maximum length 100" in warning.message
+    assert "--algo.kl.seq_target <that> targets KL_seq itself" in warning.message
 
 
 def _apply(argv: list[str], fix_lines: tuple[str, ...]) -> list[str]:
@@ -247,6 +269,9 @@ def test_an_unset_argument_the_validation_reads_is_named(monkeypatch):
     (["--algo.advantage.estimator", "group_norm"], "OpenRLHF refuses these arguments: group_norm requires "
                                                     "n_samples_per_prompt > 1"),
     (["--algo.kl.preset", "nope"], "unknown KL preset 'nope'"),
+    (["--algo.kl.preset", "sequence", "--algo.kl.seq_target", "-1"], "kl_target must be a finite number > 0"),
+    (["--algo.kl.seq_target", "0.5"], "--algo.kl.seq_target 0.5 needs --algo.kl.preset"),
+    (["--algo.kl.preset", "sequence:kl_target=0.2", "--algo.kl.seq_target", "0.5"], "two KL budgets"),
     (["no_such_script.sh"], "cannot read no_such_script.sh"),
 ])
 def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):

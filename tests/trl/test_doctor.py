@@ -63,6 +63,35 @@ def test_kl_preset_with_beta_zero_is_what_klgrpoconfig_refuses():
     assert doctor("--kl_preset", "sequence").verdict == "no-op"
 
 
+def test_kl_budget_is_noted_and_a_fixed_beta_is_told_how_to_state_one():
+    report = doctor("--kl_preset", "sequence", "--beta", "0.04", "--kl_target", "0.5")
+    assert report.verdict == "unbiased" and report.paths[0].setting.startswith("kl_preset=sequence:kl_target=0.5")
+    assert any(n.startswith("KL budget: 0.5 nats of KL(pi || pi_ref) per sequence; beta=0.04 is the controller's "
+                            "starting value and follows once per optimizer step") for n in report.notes)
+    fixed = doctor("--kl_preset", "sequence", "--beta", "0.04")
+    assert any("set --kl_target=<the run's logged kl_adapters/seq_kl" in n for n in fixed.notes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kl_target", "-1"], "kl_target must be a finite number > 0"),
+    (["--kl_target", "nan"], "kl_target must be a finite number > 0"),
+    (["--kl_preset", "token"], "does not follow its gradient"),
+    (["--kl_preset", "reward", "--num_iterations", "2"], "off-policy"),
+    (["--kl_is_clip", "2"], "is_clip=2.0"),
+])
+def test_budgets_klgrpoconfig_refuses_are_reported_refused(argv, message):
+    """The doctor's refusal is KLGRPOConfig's own (same message)."""
+    argv = ["--kl_preset", "sequence", "--beta", "0.04", "--kl_target", "0.5", *argv]
+    report = doctor(*argv)
+    (refused,) = [h for h in report.hazards if h.code == "refused"]
+    assert refused.severity == "bias" and message in refused.message and report.exit_code == 1
+    fields = dict(zip(argv[::2], argv[1::2]))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        adapter.KLGRPOConfig(kl_preset=fields["--kl_preset"], beta=0.04, kl_target=float(fields["--kl_target"]),
+                             kl_is_clip=float(fields["--kl_is_clip"]) if "--kl_is_clip" in fields else None,
+                             num_iterations=int(fields.get("--num_iterations", 1)), use_cpu=True)
+
+
 def test_off_policy_regimes():
     assert doctor("--beta", "0.04").regimes == ("on-policy",)
     report = doctor("--beta", "0.04", "--num_iterations", "2")

@@ -129,6 +129,46 @@ def test_adapter_refusals_agree():
         assert refused == ("refused" in codes(doctor(*overrides))), overrides
 
 
+#: KL budgets (kl_adapters:<preset>:kl_target=<nats>) the adapter's check_config refuses before Ray starts
+BUDGET_REFUSALS = [
+    (REWARD + ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_penalty='kl_adapters:reward:kl_target=0.5'"],
+     "would both set the reward's KL coefficient"),
+    (REWARD + ["algorithm.kl_ctrl.kl_coef=0", "algorithm.kl_penalty='kl_adapters:reward:kl_target=0.5'"],
+     "starts from algorithm.kl_ctrl.kl_coef"),
+    (LOSS + ["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.kl_loss_type='kl_adapters:reward:"
+             "kl_target=0.5'"], "does not follow its gradient off-policy"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BUDGET_REFUSALS)
+def test_budget_refusals_are_the_adapters(overrides, message):
+    report = doctor(*overrides)
+    (refused,) = [h for h in report.hazards if h.code == "refused"]
+    assert refused.severity == "bias" and message in refused.message and report.exit_code == 1
+    with pytest.raises(ValueError, match=message):
+        adapter.check_config(compose(overrides)[0])
+
+
+def test_kl_budget_is_noted_and_a_fixed_beta_is_told_how_to_state_one():
+    report = doctor(*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:sequence:kl_target=0.5'")
+    assert report.verdict == "unbiased"
+    assert any(n.startswith("KL budget: 0.5 nats of KL(pi || pi_ref) per sequence; kl_loss_coef=0.001 is the "
+                            "controller's starting value and follows once per rollout") for n in report.notes)
+    fixed = doctor(*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence")
+    assert any("kl_loss_type=kl_adapters:sequence:kl_target=<the run's logged kl_adapters/seq_kl" in n
+               for n in fixed.notes)
+
+
+def test_adaptive_controller_warning_gives_the_per_sequence_budget():
+    """verl's adaptive controller targets a per-token KL: the warning converts target_kl to nats per sequence (at
+    most target_kl x data.max_response_length) and names the budget that targets KL_seq."""
+    report = doctor(*REWARD, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
+                    "data.max_response_length=100")
+    (warning,) = [h for h in report.hazards if h.code == "adaptive-controller"]
+    assert "about 0.01 x the mean response length; at most 1 nats at the maximum length 100" in warning.message
+    assert "algorithm.kl_penalty='kl_adapters:reward:kl_target=<that>' (with kl_ctrl.type=fixed)" in warning.message
+
+
 def test_project_example_script():
     loss = diagnose("verl", [str(ROOT / "examples" / "verl_grpo.sh")], env={"HOME": "/home/u"})
     assert [p.native.preset for p in loss.paths] == ["sequence"] and loss.verdict == "unbiased"
@@ -218,6 +258,10 @@ def test_partial_override_lists(argv, paths):
     (["--config-name", "nope"], "config 'nope' is not one of the installed verl's trainer configs"),
     (["--actor_rollout_ref.actor.use_kl_loss=True"], "unsupported main_ppo option"),
     ([*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:nope"], "unknown KL preset 'nope'"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:sequence:kl_target=-1'"],
+     "kl_target must be a finite number > 0"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:token:kl_target=1'"],
+     "preset 'token' does not follow its gradient"),
     (["no_such_script.sh"], "cannot read no_such_script.sh"),
 ])
 def test_unreadable_overrides_get_one_plain_line(argv, message, capsys):

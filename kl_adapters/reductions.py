@@ -289,10 +289,14 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
     lam = fitted["past"]
     statistics = KLStatistics(cv_coef=cv_coef, eos_coef=eos_coef, past_coef=lam, baseline=baseline)
-    # fewer than two other rows with tokens: no per-position spread to fit to, and a mean of one return adds its noise
+    # fewer than two other rows with tokens: no per-position spread to fit to, and a mean of one return adds its noise;
+    # far off-policy (weights past float64's range) a fit can overflow: its statistics are then 0, the plain form, and
+    # the baseline is held within +-(working dtype max)^(1/4) so that the row's own capped w_{1:t} times it stays finite
+    # (tests/trl/test_faults.py::test_overflowing_importance_weights_stay_finite); all functions of the other rows
     enough = others_sum((mask.sum(-1) > 0).to(dtype), same) >= 2
-    return KLStatistics(*(torch.where(enough if x.dim() == 1 else enough[:, None], x, 0.0).to(out_dtype)
-                          for x in statistics.as_dict().values()))
+    bound = torch.finfo(out_dtype).max ** 0.25
+    return KLStatistics(*(torch.where((enough if x.dim() == 1 else enough[:, None]) & torch.isfinite(x), x, 0.0)
+                          .clamp(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
 
 
 def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Tensor, same: Tensor | None

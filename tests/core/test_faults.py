@@ -90,6 +90,24 @@ def test_overflowing_weights_stay_finite(name):
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
 
+@pytest.mark.parametrize("name", REDUCED)
+def test_overflowing_weights_with_batch_statistics(name):
+    """Six rows (so the leave-one-out fit runs) up to 20 nats per token more likely under pi than under the behaviour
+    policy over 40 tokens: the fit's weights pass float64's range and the baseline times the row's own capped weight
+    float32's; the statistics fall back to the plain form / a bounded baseline (functions of the other rows), so
+    loss and gradient stay finite (was NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(6, 40, generator=gen) - 0.1).requires_grad_(True)
+    old = logp.detach() - 20.0 * torch.rand(6, 40, generator=gen)
+    ref = logp.detach() + 0.1 * torch.randn(6, 40, generator=gen)
+    extra = _extras(logp, "normalized", True)
+    loss = kl_surrogate(logp, ref, torch.ones(6, 40), preset=name, old_logp=old, **extra)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    stats = kl_statistics(logp.detach(), ref, torch.ones(6, 40), preset=name, old_logp=old, **extra)
+    assert all(torch.isfinite(x).all() for x in stats.as_dict().values())
+
+
 @st.composite
 def batches(draw):
     b, t = draw(st.integers(0, 6)), draw(st.integers(1, 8))

@@ -87,6 +87,7 @@ class VerlLoss:
 
             self.kl_ctrl = FixedKLController(kl_coef=self.coef)  # algorithm.kl_ctrl.type=fixed
         self.metrics: list[dict[str, float]] = []
+        self.non_tensor: dict = {}  # further non-tensor entries of the batch (bench/kl_budget.py: the budget's beta)
 
     def __call__(self, model, batch):
         import torch
@@ -113,7 +114,8 @@ class VerlLoss:
             advantages = batch.advantages[:, None] * mask
         data = tu.get_tensordict(
             {**tokens, "old_log_probs": batch.old_logp, "ref_log_prob": batch.ref_logp, "advantages": advantages},
-            non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": group})
+            non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": group,
+                             **self.non_tensor})
         with _driver_env():
             loss, metrics = losses.ppo_loss(self.actor, flat, data)
         for key, value in metrics.items():

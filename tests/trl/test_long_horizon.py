@@ -135,6 +135,7 @@ def test_configuration_names():
     assert overrides("sequence") == {"kl_preset": "sequence"}
     assert overrides("reward-plain+kl_is_clip=2.0") == {"kl_preset": "reward-plain", "kl_is_clip": 2.0}
     assert overrides("trl-default")["use_bias_correction_kl"] is True
+    assert overrides("sequence+kl_discount=0.9") == {"kl_preset": "sequence", "kl_discount": 0.9}  # the dial
     with pytest.raises(ValueError, match="unknown configuration"):
         overrides("nope")
     with pytest.raises(ValueError, match="field=value"):
@@ -187,3 +188,18 @@ def test_benchmark_command_line(tmp_path):
     assert (tmp_path / "long_horizon_trl.png").stat().st_size > 0
     again = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do (2 already in" in again.stdout
+
+
+def test_quick_variant_command_line(tmp_path, monkeypatch):
+    """`kl-adapters demo --long-horizon` (= `bash scripts/demo.sh trl --long-horizon`) runs `QUICK` through TRL and
+    writes its report; here with a tiny horizon and few steps (seconds)."""
+    from kl_adapters.cli import main
+    from kl_adapters.demo import long_horizon_run
+
+    monkeypatch.setitem(long_horizon_run.QUICK, "horizons", [8])
+    monkeypatch.setitem(long_horizon_run.QUICK, "settings", TINY)
+    assert main(["demo", "--long-horizon", "--out", str(tmp_path)]) == 0
+    runs = [json.loads(line) for line in (tmp_path / "long_horizon_trl_quick.jsonl").read_text().splitlines()]
+    assert {(r["config"], r["seed"]) for r in runs} == {(c, s) for c in long_horizon_run.QUICK["configs"]
+                                                      for s in long_horizon_run.QUICK["seeds"]}
+    assert "T = 8" in (tmp_path / "long_horizon_trl_quick.txt").read_text()

@@ -144,7 +144,8 @@ def _versus(test: dict | None) -> str:
 
 
 def plot(runs: Iterable[Run], path, title: str) -> None:
-    """J* - J against optimizer steps, one panel per horizon: mean over seeds and the min-max band."""
+    """J* - J against optimizer steps, one panel per horizon (each with its legend; a configuration has the same
+    colour and line style in every panel): mean over seeds and the min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,18 +154,21 @@ def plot(runs: Iterable[Run], path, title: str) -> None:
     grouped: dict[int, dict[str, list[Run]]] = {}
     for run in runs:
         grouped.setdefault(run["horizon"], {}).setdefault(run["config"], []).append(run)
+    names = sorted({config for configs in grouped.values() for config in configs})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    style = {c: (colours[k % len(colours)], ("-", "--", ":", "-.")[k % 4]) for k, c in enumerate(names)}  # per name
     fig, axes = plt.subplots(1, len(grouped), figsize=(5.5 * len(grouped), 4.5), squeeze=False)
     for ax, (horizon, configs) in zip(axes[0], sorted(grouped.items())):
-        for k, (config, group) in enumerate(sorted(configs.items())):
+        for config, group in sorted(configs.items()):
             steps = [row["step"] for row in group[0]["history"]]
             curves = [[row["gap"] for row in run["history"]] for run in group]
             mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
-            line, = ax.plot(steps, mean, label=config, lw=1.5, ls=("-", "--", ":", "-.")[k % 4])
+            colour, dashes = style[config]
+            ax.plot(steps, mean, label=f"{config} ({len(group)} seeds)", lw=1.5, ls=dashes, color=colour)
             ax.fill_between(steps, [min(c[i] for c in curves) for i in range(len(steps))],
-                            [max(c[i] for c in curves) for i in range(len(steps))], alpha=0.15,
-                            color=line.get_color())
+                            [max(c[i] for c in curves) for i in range(len(steps))], alpha=0.15, color=colour)
         ax.set(yscale="log", xlabel="optimizer step", ylabel="J* - J", title=f"T = {horizon}")
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -25,7 +25,7 @@ args=(
   --actor.num_gpus_per_node 8 --ref.num_gpus_per_node 8 --vllm.num_engines 8 --train.colocate_all
   --rollout.batch_size 128 --rollout.n_samples_per_prompt 8 --rollout.micro_batch_size 16
   --rollout.max_new_tokens 1024 --data.max_len 2048
-  --train.batch_size 256 --train.micro_batch_size 8 --train.max_epochs 1   # 4 optimizer steps per rollout
+  --train.micro_batch_size 8 --train.max_epochs 1
   --ds.zero_stage 2 --ds.param_dtype bf16 --actor.adam.lr 5e-7 --actor.gradient_checkpointing_enable
   --algo.advantage.estimator group_norm
   --ckpt.output_dir "./ckpt/kl_adapters_$MODE"
@@ -33,9 +33,11 @@ args=(
 case "$MODE" in
   loss)   # KL as a loss; the estimator only sets the logged `kl` value, the preset sets the gradient
     args+=(--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 2e-6)
+    args+=(--train.batch_size 256)   # 4 optimizer steps per rollout: `sequence` is exact off-policy too
     args+=(--algo.kl.preset sequence) ;;                                              # kl-adapters
   reward) # KL in the reward (k1, gamma 1, token-mean loss aggregation); init_coef keeps its OpenRLHF meaning
     args+=(--algo.kl.estimator k1 --algo.kl.init_coef 0.01)
+    args+=(--train.batch_size 1024)  # one optimizer step per rollout: `reward`'s per-token ratio is exact on-policy only
     args+=(--algo.kl.preset reward) ;;                                                # kl-adapters
   *) echo "MODE must be loss or reward, got $MODE" >&2; exit 2 ;;
 esac

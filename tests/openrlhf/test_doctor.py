@@ -289,4 +289,4 @@ def test_project_example_script():
     report = diagnose("openrlhf", [script], env={})
     assert [(p.path, p.native.preset) for p in report.paths] == [("loss", "sequence")] and report.verdict == "unbiased"
     reward = diagnose("openrlhf", [script], env={"MODE": "reward"})
-    assert [(p.path, p.native.preset) for p in reward.paths] == [("reward", "reward")]
+    assert [(p.path, p.native.preset) for p in reward.paths] == [("reward", "reward")] and reward.verdict == "unbiased"

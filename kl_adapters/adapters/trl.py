@@ -205,7 +205,7 @@ class KLGRPOConfig(GRPOConfig):
         if self.kl_discount is not None and settings is None:
             raise ValueError("kl_discount is set but kl_preset is not: it would be a silent no-op")
         if settings is not None:
-            if self.kl_is_clip is not None and get_preset(settings.preset).needs_full_logits:
+            if (self.kl_is_clip, settings.is_clip) != (None, None) and get_preset(settings.preset).needs_full_logits:
                 raise ValueError("kl_is_clip does not apply to kl_preset='full': its importance weights are exact")
             if self.beta == 0.0:
                 raise ValueError(f"kl_preset={self.kl_preset!r} with beta=0.0 would be a silent no-op: TRL builds no "
@@ -224,12 +224,13 @@ def settings_for(trainer: GRPOTrainer) -> Settings | None:
 
 
 def settings_of(args: GRPOConfig) -> Settings | None:
-    """The KL settings of a TRL config: its kl_preset if set (with kl_is_clip), else enable()/KL_ADAPTERS; a
-    kl_target field (KLGRPOConfig) sets the budget of either."""
+    """The KL settings of a TRL config: its kl_preset if set (with kl_is_clip, or the value's own is_clip), else
+    enable()/KL_ADAPTERS; a kl_target field (KLGRPOConfig) sets the budget of either."""
     preset = getattr(args, "kl_preset", None)
     settings = activation.resolve(preset)
     if preset not in (None, "") and settings is not None:
-        settings = Settings(settings.preset, args.kl_is_clip, settings.kl_target)
+        is_clip = args.kl_is_clip if args.kl_is_clip is not None else settings.is_clip
+        settings = Settings(settings.preset, is_clip, settings.kl_target)
     target = getattr(args, "kl_target", None)
     if settings is not None and target is not None:
         settings = replace(settings, kl_target=target)

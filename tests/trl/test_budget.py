@@ -100,6 +100,7 @@ def test_environment_variable_route(model_dir, dataset, monkeypatch):
     (dict(kl_target=0.5, kl_preset="k3-loss"), "does not follow its gradient"),
     (dict(kl_target=0.5, kl_preset="reward", num_iterations=2), "off-policy"),
     (dict(kl_target=0.5, kl_is_clip=3.0), "is_clip"),
+    (dict(kl_target=0.5, kl_preset="sequence:is_clip=3"), "is_clip"),  # the value's is_clip is not dropped
     (dict(kl_target=0.5, kl_preset="sequence:kl_target=0.2"), "two KL budgets"),
 ])
 def test_bad_budgets_are_refused_at_configuration(overrides, message, monkeypatch):

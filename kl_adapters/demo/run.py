@@ -246,7 +246,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, CONFIGS, QUICK)
     add_long_argument(p, "demo_trl")
     p.add_argument("--long-horizon", action="store_true", help="instead, the long-horizon benchmark's quick variant "
-                   "(T = 128, trl-default vs sequence, 2 seeds, 80 steps, about 5 minutes; "
+                   "(T = 128, trl-default vs sequence-plain, 2 seeds, 120 steps, a few minutes; "
                    "kl_adapters.demo.long_horizon_run.QUICK): writes long_horizon_trl_quick.* to --out; the other "
                    "options do not apply")
 

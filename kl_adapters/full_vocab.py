@@ -121,8 +121,7 @@ def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Ten
                       eos=None if eta is None else ret[:, 2] - eta, resample=ret[:, 1] - k1 - future)
     x = others_sum(torch.stack((kl, mask), 1).sum(-1), same)
     kappa = torch.where(x[:, 1] > 0, x[:, 0] / x[:, 1].clamp(min=1.0), 0.0)
-    return batch_statistics(returns, torch.zeros_like(kappa), kappa, task, score_weight(logp, mask), mask, same,
-                            (log_rho * mask).cumsum(-1))
+    return batch_statistics(returns, torch.zeros_like(kappa), kappa, task, score_weight(logp, mask), mask, same)
 
 
 def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics,

@@ -231,32 +231,27 @@ class Returns:
 
 
 def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdvantages | None, omega: Tensor,
-                     mask: Tensor, same: Tensor | None, log_multiplier: Tensor | None = None) -> KLStatistics:
+                     mask: Tensor, same: Tensor | None) -> KLStatistics:
     """Leave-one-out statistics of every row (module docstring, steps 2 and 3) from the batch's `Returns`.
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
     Z = a~_b Q - kappa_b H; task: the trainer's advantages ([B, T], zero at padding; None: no task term), alpha =
-    A / beta in KL units; omega [B, T] the score weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or None. log_multiplier
-    [B, T]: the log of the importance weight m_t the preset puts on a row's reductions at t (w_{1:t} for `sequence`
-    and `full`, rho_t for `reward`; None on-policy, m = 1). A row's combined weight at t is then
-    m_t (P_t + theta . x_t - b_t) - alpha_t = m_t (P_t - alpha_t / m_t + theta . x_t - b_t), so the fit weighs each
-    token by omega m^2 and takes the task as alpha / m (its shift mu_b enters as mu_b / m: still exact, the shift's
-    coefficient per row is linear). Computed in float64 whatever the working dtype (the leave-one-out sums are group
-    totals minus the row's own terms, whose rounding must not reach a fitted coefficient), returned in the working
-    dtype.
+    A / beta in KL units, its shift mu_b carried by a unit channel (constant per position, so it moves the baseline
+    and not the fit); omega [B, T] the score weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or
+    None. Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
+    weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
+    measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
+    the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in
+    float64 whatever the working dtype (the leave-one-out sums are group totals minus the row's own terms, whose
+    rounding must not reach a fitted coefficient), returned in the working dtype.
     """
     out_dtype, dtype = mask.dtype, torch.float64
     mask, omega = mask.to(dtype), omega.to(dtype)
     batch = mask.shape[0]
     alpha = None if task is None else task.advantages.to(dtype)
     scale, mu = _task_scale(task, alpha, mask, same)
-    inverse = None
-    if log_multiplier is not None:
-        log_m = log_multiplier.to(dtype).clamp(-300.0, 300.0)
-        omega, inverse = omega * torch.exp(2.0 * log_m), torch.exp(-log_m) * mask
-    # the channels present in this batch: P, the task, then the fit's features (absent ones are left out, not zeros)
-    channels = {"ret": r.ret, "task": None if alpha is None else alpha if inverse is None else alpha * inverse,
-                "unit": None if alpha is None else mask if inverse is None else inverse,
+    # the channels present in this batch: P, the task and its unit shift, then the fit's features (absent ones left out)
+    channels = {"ret": r.ret, "task": alpha, "unit": None if alpha is None else mask,
                 "xi": None if r.resample is not None else r.cv, "eos": r.eos, "resample": r.resample, "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
     feats = torch.stack([channels[n].to(dtype) for n in names], 1)  # [B, k, T], zero at padding
@@ -362,15 +357,14 @@ def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
 
 def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: Tensor, log_rho: Tensor | None,
                              mask: Tensor, task: TaskAdvantages | None, group: Tensor | None,
-                             discount: float = 1.0, log_multiplier: Tensor | None = None) -> KLStatistics:
+                             discount: float = 1.0) -> KLStatistics:
     """The statistics of `sequence` / `reward` from a [B, T] batch's detached terms (zero at padding; cv = xi,
     eta = `termination_increments` or None, task advantages already [B, T]); log_rho None: unweighted returns (the
-    on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the preset's;
-    log_multiplier: the log of the importance weight the preset puts on a row's reductions at t (`batch_statistics`)."""
+    on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the preset's."""
     same = same_group(group)
     channels = (k1, cv) if eta is None else (k1, cv, eta)
     ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
     returns = Returns(ret=ret[:, 0], cv=ret[:, 1] - cv, past=past_kl(k1, mask),
                       eos=None if eta is None else ret[:, 2] - eta)
     cv_scale, kappa = token_coefficients(k1, cv, mask, same)
-    return batch_statistics(returns, cv_scale, kappa, task, score_weight(logp, mask), mask, same, log_multiplier)
+    return batch_statistics(returns, cv_scale, kappa, task, score_weight(logp, mask), mask, same)

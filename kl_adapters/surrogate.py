@@ -74,9 +74,8 @@ def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -
     """Leave-one-out statistics of the batch itself (without is_clip: the same as `kl_statistics` on it), from
     importance-weighted returns unless the preset's own return is unweighted (`Preset.weighted_returns`)."""
     weighted = not t.on_policy and (spec is None or spec.weighted_returns)
-    multiplier = None if t.on_policy else t.log_rho.cumsum(-1) if weighted else t.log_rho
     return sampled_token_statistics(t.k1, t.cv, t.eta, t.logp, t.log_rho if weighted else None, t.mask, t.task, group,
-                                    t.discount, multiplier)
+                                    t.discount)
 
 
 def _check_options(spec: Preset, is_clip: float | None, statistics: KLStatistics | None, group: Tensor | None,

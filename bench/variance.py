@@ -54,6 +54,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import RESULTS, write_result  # noqa: E402
+from zeroed_statistics import zeroed  # noqa: E402
 
 import kl_adapters  # noqa: E402
 from kl_adapters import PRESETS, EndOfSequence, TaskAdvantages, kl_coefficients, kl_statistics  # noqa: E402
@@ -554,6 +555,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ascent-lr", type=float, default=0.01)
     ap.add_argument("--no-eos", action="store_true", help="without the end-of-sequence probabilities (no termination "
                     "control variate)")
+    ap.add_argument("--zero", nargs="+", default=[], metavar="STAT",
+                    help="diagnostic: set these fitted statistics of the reduced presets to zero (cv_coef, eos_coef, "
+                    "past_coef, baseline; bench/zeroed_statistics.py): still exact, shows each term's share")
     ap.add_argument("--note", default="", help="machine conditions to record in the results (e.g. other work running)")
     ap.add_argument("--name", default=None, help="results go to bench/results/variance_<name>.*")
     ap.add_argument("--targets", type=Path, default=None,
@@ -595,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         name = name if name.startswith("micro") else f"micro_{name}"
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    rows = run_micro(args) if args.micro else run_grid(args)
+    with zeroed(args.zero):
+        rows = run_micro(args) if args.micro else run_grid(args)
     seconds = time.perf_counter() - t0
     table = micro_table(rows) if args.micro else grid_table(rows, args.presets)
     command = " ".join(shlex.quote(a) for a in [".venvs/core/bin/python", "bench/variance.py", *sys.argv[1:]])

@@ -214,10 +214,9 @@ def batch_moments(
         group = (batch_ids[:, None] * (int(local.max()) + 1) + local).flatten()
         old_rows = None if old is None else old[rows]
         stats = {}
-        extra = task_and_eos(space, logits, rows, group, rewards, normalized, eos, row_beta)
-        task = extra.get("task")
-        if not fit_task:
-            extra.pop("task", None)
+        extra = (task_and_eos(space, logits, rows, group, rewards, normalized, eos, row_beta)
+                 if spec.uses_batch_statistics or total else {})
+        task = extra.get("task") if fit_task else extra.pop("task", None)
         if spec.uses_batch_statistics:
             stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group,
                                                   preset=spec, discount=discount, **extra), "eos": extra.get("eos")}

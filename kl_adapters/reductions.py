@@ -236,8 +236,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
     Z = a~_b Q - kappa_b H; task: the trainer's advantages ([B, T], zero at padding; None: no task term), alpha =
-    A / beta in KL units, its shift mu_b carried by a unit channel (constant per position, so it moves the baseline
-    and not the fit); omega [B, T] the score weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or
+    A / beta in KL units; omega [B, T] the score weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or
     None. Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
     weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
@@ -250,9 +249,9 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     batch = mask.shape[0]
     alpha = None if task is None else task.advantages.to(dtype)
     scale, mu = _task_scale(task, alpha, mask, same)
-    # the channels present in this batch: P, the task and its unit shift, then the fit's features (absent ones left out)
-    channels = {"ret": r.ret, "task": alpha, "unit": None if alpha is None else mask,
-                "xi": None if r.resample is not None else r.cv, "eos": r.eos, "resample": r.resample, "past": r.past}
+    # the channels present in this batch: P, the task, then the fit's features (absent ones are left out, not zeros)
+    channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
+                "resample": r.resample, "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
     feats = torch.stack([channels[n].to(dtype) for n in names], 1)  # [B, k, T], zero at padding
     om = omega * mask
@@ -262,20 +261,20 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     gram = others_sum(torch.einsum("bit,bjt->bij", weighted, feats), same)
     inv_w = torch.where(weight > 0, weight.clamp(min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
     centred = gram - torch.einsum("bit,bjt->bij", s_f * inv_w[:, None], s_f)  # per-position centred, summed over t
-    # y = P - scale (alpha - mu) / m and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels
+    # y = P - scale (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
     features = [n for n in ("xi", "eos", "resample", "past") if n in names]
     lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
     lin[:, 0, 0] = 1.0
     if alpha is not None:
-        lin[:, 0, names.index("task")], lin[:, 0, names.index("unit")] = -scale, scale * mu
+        lin[:, 0, names.index("task")] = -scale
     factor = {"xi": cv_scale.to(dtype), "eos": -kappa.to(dtype), "resample": 1.0, "past": 1.0}
     for row, n in enumerate(features, start=1):
         lin[:, row, names.index(n)] = factor[n]
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
     theta = _joint_fit(moments, raw, count.sum(-1))
-    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels
-    mean = (coef[:, :, None] * s_f).sum(1) * inv_w
+    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu)
+    mean = ((coef[:, :, None] * s_f).sum(1) + (scale * mu)[:, None] * weight) * inv_w
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
     baseline = _james_stein(mean, var_z, weight, count)
     fitted = dict(zip(features, theta.unbind(-1)))

@@ -6,7 +6,9 @@ Checks, each against TRL itself:
 - the gradient identity of tests/trl/test_grpo_gradients.py on CUDA (trainer gradient, flag on = TRL's task gradient
   + grad kl_surrogate), float32 to GPU_FP32_RTOL and bf16 autocast to GPU_BF16_RTOL (max |diff| / max |grad|);
 - the flag off (KLGRPOConfig(kl_preset=None)) is bit-identical to unpatched TRL (GRPOConfig): same logs, same weights;
-- train() with `sequence`, `reward` (bf16) and once with LoRA: finite losses, the adapter's seq_kl logged every step;
+- train() with `sequence` (task advantages and the termination control variate's pi(EOS) from the CUDA forward),
+  `reward`, `full` (bf16) and once with LoRA: finite losses, the adapter's seq_kl logged every step;
+- the KL budget (kl_target) on CUDA: one finite, positive beta per optimizer step, beta moving;
 - with beta 1 and a constant reward (the KL term is the whole loss) the sequence KL falls.
 """
 
@@ -21,6 +23,7 @@ from conftest import make_trainer, one_batch, perturb  # noqa: E402
 from test_grpo_gradients import expected_grad, trainer_grad  # noqa: E402
 
 from kl_adapters.adapters import trl as adapter  # noqa: E402
+from kl_adapters.budget import KLBudget  # noqa: E402
 from kl_adapters.tiny_models import save_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -76,7 +79,7 @@ def test_gradient_identity_on_cuda(gpu_model_dir, dataset, preset, bf16, rtol):
     assert scale > 0 and float((got - want).abs().max()) / scale < rtol
 
 
-@pytest.mark.parametrize("preset", ["sequence", "reward"])
+@pytest.mark.parametrize("preset", ["sequence", "reward", "full"])
 def test_train_on_cuda(gpu_model_dir, dataset, preset):
     trainer = make_trainer(gpu_model_dir, dataset, **gpu_args(bf16=True, kl_preset=preset, max_steps=STEPS))
     trainer.train()
@@ -84,6 +87,23 @@ def test_train_on_cuda(gpu_model_dir, dataset, preset):
     assert len(seq_kl) == STEPS and all(math.isfinite(v) and v >= 0 for v in seq_kl)
     assert len(loss) == STEPS and all(math.isfinite(v) for v in loss)
     assert all(math.isfinite(v) for v in logged(trainer, "grad_norm"))
+
+
+def test_kl_budget_on_cuda(gpu_model_dir, dataset):
+    """KLGRPOConfig(kl_target=...) on CUDA: the controller (kl_adapters.budget) sets one beta per optimizer step from
+    the logged sequence KL; all finite and positive, and beta leaves its start (the target is far from the start's KL)."""
+    steps = STEPS // 3
+    trainer = make_trainer(gpu_model_dir, dataset, **gpu_args(bf16=True, kl_target=0.5, max_steps=steps))
+    trainer.train()
+    betas, seq_kl = logged(trainer, "kl_adapters/beta"), logged(trainer, "kl_adapters/seq_kl")
+    assert len(betas) == len(seq_kl) == steps and all(math.isfinite(b) and b > 0 for b in betas)
+    assert logged(trainer, "kl_adapters/kl_target") == [0.5] * steps
+    replay = KLBudget(0.5, trainer.args.beta)  # as tests/trl/test_budget.py: the logged betas are the controller's
+    for beta, kl in zip(betas, seq_kl):
+        assert beta == pytest.approx(replay.beta, rel=1e-6)
+        replay.observe(kl, 1)
+        replay.update()
+    assert betas[-1] != betas[0], betas
 
 
 def test_lora_on_cuda(gpu_model_dir, dataset):

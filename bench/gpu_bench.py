@@ -145,6 +145,9 @@ def openrlhf_bench(device: str, gpu: bool, repeats: int) -> dict:
     if not gpu:
         for (owner, name), fn in bench.cuda_shims().items():
             setattr(owner, name, fn)
+    elif not torch.distributed.is_initialized():  # ActorPPOTrainer's barrier (ppo_actor.py:106) needs a group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as folder:
         args, actor, tensors, old, base = bench.setup(opts, folder)
         step = bench.training_step_fn(args, actor, tensors, old, base, device)

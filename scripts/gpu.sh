@@ -6,7 +6,8 @@
 #   scripts/gpu.sh run <trl|verl|openrlhf> [outdir] on the GPU machine: install .gpu-wheels/<fw> with --no-index on top
 #                                                   of the image's torch, run `pytest -m gpu` on tests/<fw>'s files
 #                                                   that hold `gpu` tests and
-#                                                   bench/gpu_bench.py; logs + JSON to outdir (default $OUT)
+#                                                   bench/gpu_bench.py (GPU_BENCH=0: not); logs + JSON to
+#                                                   outdir (default $OUT); PYTEST_ADDOPTS (pytest's own) selects tests
 #
 # A wheelhouse holds exactly the pins of envs/gpu-<fw>.txt (each one a pin of the CPU suite, envs/<fw>.txt; the
 # device image has the rest: envs/device-image.txt), built for CPython 3.12 manylinux x86_64, plus a wheel of
@@ -23,7 +24,7 @@ MAX_MIB=60
 SDIST_ONLY=(deepspeed antlr4-python3-runtime)  # no wheel on the index: built here (pure Python)
 PY=${PYTHON:-python3}
 
-usage() { sed -n '3,9p' "$0" >&2; exit 2; }
+usage() { sed -n '3,10p' "$0" >&2; exit 2; }
 known() { [[ " ${FRAMEWORKS[*]} " == *" $1 "* ]] || { echo "unknown framework: $1 (trl|verl|openrlhf)" >&2; exit 2; }; }
 pins() { grep -v '^#' "$ROOT/envs/gpu-$1.txt" | grep -v '^[[:space:]]*$'; }
 
@@ -79,6 +80,9 @@ run() {
   export PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   unset KL_ADAPTERS
+  # DeepSpeed 0.19.6's JIT builder (FusedAdam) reads TORCH_CUDA_ARCH_LIST as numbers: the image's arch-specific
+  # suffixes (sm_90a as "9.0a") stop the build ("invalid literal for int() ... '0a'", seen on an H200)
+  [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] || export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//[af]/}
   cd "$ROOT"
   local status=0
   "$PY" -P tests/device_image/environment_report.py "$fw" "$out/$fw-environment.json" || status=1
@@ -88,6 +92,7 @@ run() {
   mapfile -t files < <(grep -l "mark\.gpu" "tests/$fw"/test_*.py)
   "$PY" -P -m pytest "${files[@]}" -m gpu -p no:cacheprovider -rA --junitxml="$out/$fw-junit.xml" 2>&1 \
     | tee "$out/$fw-pytest.log" || status=1
+  [ "${GPU_BENCH:-1}" = 0 ] && return $status  # GPU_BENCH=0: the tests only (a rerun whose benchmark is recorded)
   "$PY" -P bench/gpu_bench.py --framework "$fw" --out "$out" 2>&1 | tee "$out/$fw-bench.log" || status=1
   return $status
 }

@@ -6,8 +6,10 @@ is tests/device_image/ray_stub on the device); flash_attn / vllm are the suite's
 The run is the loss-path run of test_loss_path.py (openrlhf_harness.ppo_train_on: 8 ragged sequences, micro-batches
 of 2, gradient accumulation 2, 2 epochs), with the DeepSpeed engine in place of the CPU strategy shim. Checks:
 - the gradient identity on the first optimizer step (DeepSpeed's full gradient, deepspeed.utils.safe_get_full_grad,
-  before the step) against openrlhf_harness.reference_grad: float32 to FP32_RTOL of the KL part (as on CPU), bf16 to
-  BF16_RTOL of the whole gradient and closer than the gradient without the KL term;
+  before the step) against openrlhf_harness.reference_grad: bf16 to BF16_RTOL of the whole gradient and closer than
+  the gradient without the KL term. OpenRLHF 0.11.2 trains in bf16 or fp16 only (--ds.param_dtype's choices; its
+  Actor refuses any other dtype), so the float32 identity on CUDA is test_loss_path.py's cuda case (OpenRLHF's loss
+  path, the harness's strategy, float32) to 1e-4 of the KL part;
 - the flag off (--algo.kl.preset none) bit-identical to OpenRLHF never patched (every step's gradient, the status);
 - finite metrics; with zero advantages (the KL term, beta 0.1, is the whole loss) OpenRLHF's own `kl` falls.
 """
@@ -29,8 +31,6 @@ from kl_adapters.presets import get_preset  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-#: float32: relative to the KL part of the gradient, as test_loss_path.py on CPU
-FP32_RTOL = 1e-4
 #: bf16 (DeepSpeed's bf16 engine, float32 master weights and gradients): each backward rounds to 8 mantissa bits
 BF16_RTOL = 5e-2
 HIDDEN = 2048  # 2 layers: 84M parameters
@@ -59,6 +59,10 @@ def cli(actor_dir: str, dtype: str, *extra: str):
                                             "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1e9", *extra])
 
 
+def _either(value, fallback):
+    return fallback if value is None else value
+
+
 class GradientLog:
     """Wraps DeepspeedStrategy.optimizer_step: at each gradient-accumulation boundary, the full gradient and the
     float32 parameters the engine is about to step from (grad_log / params_log, as the CPU strategy shim records)."""
@@ -74,8 +78,12 @@ class GradientLog:
         engine = model.model
         if engine.is_gradient_accumulation_boundary():
             named = list(engine.module.named_parameters())
-            self.params_log.append({n: safe_get_full_fp32_param(p).detach().clone() for n, p in named})
-            self.grad_log.append(torch.cat([safe_get_full_grad(p).float().flatten() for _, p in named]).clone())
+            # ZeRO stage 0 in bf16 keeps no float32 master copy (safe_get_full_fp32_param is None there, seen on an
+            # H200): the parameter itself is what the engine steps from
+            self.params_log.append({n: _either(safe_get_full_fp32_param(p), p).detach().float().clone()
+                                    for n, p in named})
+            self.grad_log.append(torch.cat([_either(safe_get_full_grad(p), p.grad).float().flatten()
+                                            for _, p in named]).clone())
         return self._step(optimizer, model, scheduler, name=name, **kwargs)
 
 
@@ -107,14 +115,13 @@ def deepspeed_run(monkeypatch, args, actor_dir: str, batch: dict, statistics=Non
     return trainer, steps, status, log
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_gradient_identity_under_deepspeed(monkeypatch, models, batch, dtype):
+def test_gradient_identity_under_deepspeed_bf16(monkeypatch, models, batch):
     from openrlhf_harness import BETA, GAS, batch_statistics, load_params, reference_grad
 
     settings = activation.parse("sequence")
     kl_adapters.enable(settings.preset)
     stats = batch_statistics(batch) if get_preset(settings.preset).uses_batch_statistics else None
-    trainer, steps, status, log = deepspeed_run(monkeypatch, cli(models[0], dtype), models[0], batch,
+    trainer, steps, status, log = deepspeed_run(monkeypatch, cli(models[0], "bf16"), models[0], batch,
                                                 statistics=stats)
     assert len(log.grad_log) == len(steps) // GAS == 4
     assert status and all(torch.isfinite(torch.as_tensor(v, dtype=torch.float64)).all() for v in status.values()
@@ -125,11 +132,10 @@ def test_gradient_identity_under_deepspeed(monkeypatch, models, batch, dtype):
     task_only = reference_grad(model, steps[:GAS], trainer, settings, 0.0, statistics=own)
     grad, kl_part = log.grad_log[0], (expected - task_only).norm()
     assert kl_part > 0.1 * expected.norm(), "the KL term must matter in this test"
-    if dtype == "fp32":
-        assert (grad - expected).norm() < FP32_RTOL * kl_part
-    else:
-        assert (grad - expected).norm() < BF16_RTOL * expected.norm()
-        assert (grad - expected).norm() < 0.5 * (grad - task_only).norm()
+    error = float((grad - expected).norm() / expected.norm())
+    print(f"DeepSpeed bf16 gradient vs reference: {error:.3e} of the gradient, KL part {kl_part / expected.norm():.3f}")
+    assert error < BF16_RTOL
+    assert (grad - expected).norm() < 0.5 * (grad - task_only).norm()
 
 
 def test_flag_off_is_bit_identical_under_deepspeed(monkeypatch, models, batch):

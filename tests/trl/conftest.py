@@ -122,7 +122,7 @@ def eos_by_hand(trainer, batch):
     mask = batch["completion_mask"].bool()
     with torch.no_grad():
         prob = torch.softmax(completion_logits(trainer.model, batch, trainer.temperature).double(), -1)[..., ids]
-    is_eos = torch.isin(batch["completion_ids"], torch.tensor(ids)) & mask
+    is_eos = torch.isin(batch["completion_ids"], torch.tensor(ids, device=mask.device)) & mask
     return EndOfSequence(torch.where(mask, prob.sum(-1), 0.0).float(), is_eos, trainer.max_completion_length)
 
 

@@ -4,7 +4,9 @@ line "RESULT{...}" (and --result FILE). Reuses engine_check.py's worker, batch a
 
 --dtype float32|bfloat16 is the FSDP engine's compute dtype (master weights stay float32). Measured:
 - kl_rel_error: one SGD step (lr 1 = the gradient) with kl_loss_type=kl_adapters:<preset> vs the oracle (verl's
-  ppo_loss without KL + kl_surrogate with verl's token count), relative to the KL part of the step;
+  ppo_loss without KL + kl_surrogate with verl's token count, the batch's statistics with the task advantages and
+  the end-of-sequence probabilities of a separate float64 forward), relative to the KL part of the step;
+  kept_eos_error: max |pi(EOS)| difference between what compute_log_prob's forward kept and that separate forward;
 - flag_off_equal: 5 AdamW steps with the flag off (patched ppo_loss, kl_loss_type=low_var_kl) and with verl's own
   ppo_loss: the final weights are bit-identical;
 - kl_history: with zero advantages (the KL term is the whole loss), a policy started away from the reference, 20 AdamW
@@ -50,13 +52,25 @@ def engine_config(**kwargs):
     return FSDPEngineConfig(**{**kwargs, "dtype": args.dtype})
 
 
-def gradient_identity(path: str, old, ref, adv) -> float:
+def gradient_identity(path: str, old, ref, adv) -> dict:
+    """One SGD step flagged vs the oracle, as engine_check.main: the flagged loss is set before compute_log_prob's
+    forward (as ActorRolloutRefWorker.init_model), so the update's statistics use the end-of-sequence probabilities
+    that forward keeps; the oracle takes them from a separate float64 transformers forward (`separate_eos`)."""
     worker = ec.build_worker(path, "SGD", 1.0)
+    flagged = partial(ec.losses.ppo_loss, config=ec.actor_config(f"kl_adapters:{args.preset}"))
+    worker.set_loss_fn(flagged)
+    ec.log_probs(worker)
+    eos_prob, is_eos = ec.separate_eos(path)
+    kept = ec.verl_adapter._stored_eos(ec.batch(), ec.R)  # what the update will find (emptied: fill it again)
+    kept_error = None if kept is None else float((kept.prob.cpu() - eos_prob).abs().max())
+    ec.log_probs(worker)
     theta0 = ec.params(worker)
-    ec.train(worker, partial(ec.losses.ppo_loss, config=ec.actor_config(f"kl_adapters:{args.preset}")), old, ref, adv)
+    ec.train(worker, flagged, old, ref, adv)
     step_flagged = theta0 - ec.params(worker)
     worker.reset()
-    ec.train(worker, ec.oracle(ec.actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref), old, ref, adv)
+    eos = ec.EndOfSequence(eos_prob, is_eos, ec.R)
+    ec.train(worker, ec.oracle(ec.actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref, adv, eos),
+             old, ref, adv)
     step_oracle = theta0 - ec.params(worker)
     worker.reset()
     ec.train(worker, partial(ec.losses.ppo_loss, config=ec.actor_config("low_var_kl", use_kl_loss=False)), old, ref,
@@ -64,7 +78,7 @@ def gradient_identity(path: str, old, ref, adv) -> float:
     step_task = theta0 - ec.params(worker)
     kl_part = step_oracle - step_task
     assert float(kl_part.norm() / step_task.norm()) > 0.05, "the KL part of the step is too small to test"
-    return float((step_flagged - step_oracle).norm() / kl_part.norm())
+    return {"kl_rel_error": float((step_flagged - step_oracle).norm() / kl_part.norm()), "kept_eos_error": kept_error}
 
 
 def flag_off_equal(path: str, old, ref, adv) -> bool:
@@ -114,7 +128,7 @@ def main():
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     result = {"dtype": args.dtype, "preset": args.preset, "device": device,
               "parameters": sum(p.numel() for p in llama_63m().parameters()),
-              "kl_rel_error": gradient_identity(path, old, ref, adv),
+              **gradient_identity(path, old, ref, adv),
               "flag_off_equal": flag_off_equal(path, old, ref, adv),
               "kl_history": kl_history(policy_path, current * mask)}
     print("RESULT" + json.dumps(result, default=float))

@@ -40,6 +40,7 @@ def run_check(tmp_path: Path, *args: str) -> dict:
 @pytest.mark.parametrize("dtype,rtol", [("float32", FP32_RTOL), ("bfloat16", BF16_RTOL)])
 def test_fsdp_actor_update_on_gpu(tmp_path, dtype, rtol):
     result = run_check(tmp_path, "--dtype", dtype, "--preset", "sequence")
+    print({k: result[k] for k in ("dtype", "kl_rel_error", "kept_eos_error", "flag_off_equal")})  # the log (-rA)
     assert 50e6 <= result["parameters"] <= 150e6
     assert result["kl_rel_error"] < rtol, result["kl_rel_error"]
     assert result["flag_off_equal"], "flag off: the weights differ from verl's own ppo_loss"

@@ -1,9 +1,9 @@
 """Which of `sequence`'s reductions adds or removes variance of TRL's training gradient on the long-horizon problem.
 
-Usage: .venvs/trl/bin/python bench/reduction_components.py [--horizon 32] [--step 200] [--groups 48]
-       (writes bench/results/reduction_components_T<horizon>_step<step>.{txt,json})
+Usage: .venvs/trl/bin/python bench/reduction_components.py [--horizon 32] [--step 200] [--groups 48] [--seed 0]
+       (writes bench/results/reduction_components_T<horizon>_step<step>[_seed<seed>].{txt,json})
 
-Trains `sequence-plain` with TRL's GRPOTrainer.train() on kl_adapters.demo's long-horizon problem (seed 0, G = 32,
+Trains `sequence-plain` with TRL's GRPOTrainer.train() on kl_adapters.demo's long-horizon problem (--seed, G = 32,
 lr 3e-3, the settings of bench/long_horizon.py) for --step steps, then measures, over --groups groups of 32
 completions of that policy (the same groups for every row), the trace of the covariance of the gradient TRL's
 compute_loss takes (task + KL; `long_horizon_trl.gradient_variance`) for `sequence-plain` and for `sequence` with one
@@ -38,10 +38,11 @@ def main() -> int:
     parser.add_argument("--horizon", type=int, default=32)
     parser.add_argument("--step", type=int, default=200)
     parser.add_argument("--groups", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0, help="the problem's and the run's seed (bench/long_horizon.py's)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    problem = LongHorizonProblem(horizon=args.horizon, beta=0.2, seed=0)
+    problem = LongHorizonProblem(horizon=args.horizon, beta=0.2, seed=args.seed)
     settings = LongSettings(steps=args.step, group=32, learning_rate=3e-3, eval_every=args.step, eval_samples=256,
                             final_samples=256)
     rows = []
@@ -56,7 +57,7 @@ def main() -> int:
 
     run_trl(problem, "sequence-plain", settings, None, measure)
     lines = [f"TRL compute_loss, task + KL, G = 32, T = {args.horizon}, policy after {args.step} steps of a "
-             f"sequence-plain run (seed 0), {args.groups} groups; tr Cov (jackknife se) and the ratio to sequence-plain",
+             f"sequence-plain run (seed {args.seed}), {args.groups} groups; tr Cov (jackknife se) and the ratio to sequence-plain",
              f"{'sequence with zeroed':<44}{'tr Cov':>12}{'se':>10}{'ratio':>8}"]
     plain = rows[0]["sequence-plain"]
     lines.append(f"{'sequence-plain':<44}{plain['trace']:>12.4g}{plain['trace_se']:>10.2g}{1.0:>8.3f}")
@@ -66,10 +67,11 @@ def main() -> int:
                      f"{s['trace'] / plain['trace']:>8.3f}")
     text = "\n".join(lines)
     print(text)
-    name = f"reduction_components_T{args.horizon}_step{args.step}"
+    name = f"reduction_components_T{args.horizon}_step{args.step}" + (f"_seed{args.seed}" if args.seed else "")
     path = write_result(name, {"rows": rows, "horizon": args.horizon, "step": args.step, "groups": args.groups})
     path.with_suffix(".txt").write_text(f"$ .venvs/trl/bin/python bench/reduction_components.py --horizon "
-                                        f"{args.horizon} --step {args.step} --groups {args.groups}\n{text}\n")
+                                        f"{args.horizon} --step {args.step} --groups {args.groups}"
+                                        + (f" --seed {args.seed}" if args.seed else "") + f"\n{text}\n")
     return 0
 
 

@@ -90,16 +90,19 @@ def _betainc(a: float, b: float, x: float) -> float:
 
 def decisions(summary: dict[int, dict[str, dict]], baseline: str, candidates: list[str]) -> dict[int, dict]:
     """Per horizon: the configuration with the lowest mean final J* - J ("best"), each other configuration's
-    difference to it with the paired p-value, and the per-seed ratio J* - J[baseline] / J* - J[candidate] for the
+    difference to it with the paired p-value (on the seeds both ran: "seeds" names them where that is not all of
+    either's), and the per-seed ratio J* - J[baseline] / J* - J[candidate] for the
     best of `candidates` (the kl-adapters configurations) run on the baseline's seeds."""
     out = {}
     for horizon, rows in summary.items():
         best = min(rows, key=lambda c: rows[c]["gap"]["mean"])
         versus = {}
         for config, row in rows.items():
-            if config != best and row["seeds"] == rows[best]["seeds"]:
-                diff, p = paired_test(row["gap"]["per_seed"], rows[best]["gap"]["per_seed"])
-                versus[config] = {"difference": diff, "p": p, "significant": p < 0.05}
+            common = [s for s in row["seeds"] if s in rows[best]["seeds"]]
+            if config != best and common:
+                diff, p = paired_test(*(_on_seeds(r, common) for r in (row, rows[best])))
+                versus[config] = {"difference": diff, "p": p, "significant": p < 0.05,
+                                  "seeds": None if common == row["seeds"] == rows[best]["seeds"] else common}
         entry = {"best": best, "versus_best": versus}
         ours = [c for c in candidates if c in rows and baseline in rows and rows[c]["seeds"] == rows[baseline]["seeds"]]
         if ours:
@@ -108,6 +111,11 @@ def decisions(summary: dict[int, dict[str, dict]], baseline: str, candidates: li
                 x / y for x, y in zip(rows[baseline]["gap"]["per_seed"], rows[candidate]["gap"]["per_seed"])]}
         out[horizon] = entry
     return out
+
+
+def _on_seeds(row: dict, seeds: list[int]) -> list[float]:
+    """A configuration's final J* - J on the given seeds (a subset of its own)."""
+    return [row["gap"]["per_seed"][row["seeds"].index(s)] for s in seeds]
 
 
 def table(summary: dict[int, dict[str, dict]], decided: dict[int, dict], title: str) -> str:
@@ -137,10 +145,11 @@ def table(summary: dict[int, dict[str, dict]], decided: dict[int, dict], title: 
 def _versus(test: dict | None) -> str:
     if test is None:
         return "(other seeds)"
+    on = "" if test.get("seeds") is None else f"; seeds {','.join(map(str, test['seeds']))}"
     if math.isnan(test["p"]):
-        return f"+{test['difference']:.4f} (one seed: no test)"
+        return f"+{test['difference']:.4f} (one seed: no test{on})"
     verdict = "significant" if test["significant"] else "tie"
-    return f"+{test['difference']:.4f}, p = {test['p']:.3f} ({verdict})"
+    return f"+{test['difference']:.4f}, p = {test['p']:.3f} ({verdict}{on})"
 
 
 def plot(runs: Iterable[Run], path, title: str) -> None:

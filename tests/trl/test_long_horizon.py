@@ -172,6 +172,13 @@ def test_report_statistics():
     assert decided["best"] == "sequence" and decided["versus_best"]["trl-default"]["significant"]
     assert decided["ratio"]["per_seed"] == pytest.approx([5.0, 51 / 12, 52 / 14])
     assert "T = 32" in report.table(summary, {32: decided}, "title")
+    # a configuration run on fewer seeds is tested against the best on the seeds both ran
+    summary = report.summarize(runs + [run("full", s, 0.02 + 0.01 * s) for s in range(2)])
+    decided = report.decisions(summary, "trl-default", ["sequence"])[32]
+    diff, p = report.paired_test([0.02, 0.03], [0.01, 0.012])
+    assert decided["versus_best"]["full"] == {"difference": diff, "p": p, "significant": p < 0.05, "seeds": [0, 1]}
+    assert decided["versus_best"]["trl-default"]["seeds"] is None
+    assert "seeds 0,1)" in report.table(summary, {32: decided}, "title")
 
 
 def test_benchmark_command_line(tmp_path):

@@ -43,7 +43,10 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
      h_b = -rho_eos kappa_b.
   3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + (the fitted terms), shrunk toward 0 by a
      positive-part James-Stein factor (a mean of few returns adds its own noise).
-A row with fewer than two other rows in its group gets every statistic 0: the plain form.
+  4. Every statistic of row b is multiplied by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows'
+     tokens beyond the per-position means (`fit_shrinkage`): a row with fewer than two other rows with tokens gets 0,
+     the plain form, and a tiny group only a fraction of its fit (groups of 3-4 three-token completions far from the
+     reference: 1.25-1.66x `sequence-plain`'s task + KL variance unshrunk, 0.940-0.996x shrunk; docs/variance.md).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ CV_PRIOR_TOKENS = 4.0
 LOG_RELATIVE_WEIGHT_FLOOR = -60.0
 #: ridge of the joint fit, relative to each feature's variance, in tokens
 JOINT_PRIOR_TOKENS = 4.0
+#: prior weight, in degrees of freedom (other rows' tokens beyond the per-position means), of the plain form against
+#: a row's fitted statistics (`fit_shrinkage`)
+FIT_PRIOR_DOF = 8.0
 #: a feature of the joint fit whose centred variance is below this fraction of its raw second moment is left out
 VARIANCE_FLOOR = 1e-6
 
@@ -242,7 +248,9 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
     the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in
     float64 whatever the working dtype (the leave-one-out sums are group totals minus the row's own terms, whose
-    rounding must not reach a fitted coefficient), returned in the working dtype.
+    rounding must not reach a fitted coefficient), returned in the working dtype. Every statistic is shrunk toward 0
+    (the plain form) by `fit_shrinkage` of the other rows' per-position token counts: 0 with fewer than two other rows
+    with tokens, 3 / 11 for two other rows of 3 tokens, > 0.99 from ~800 tokens beyond the per-position means.
     """
     out_dtype, dtype = mask.dtype, torch.float64
     mask, omega = mask.to(dtype), omega.to(dtype)
@@ -283,14 +291,26 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
     lam = fitted["past"]
     statistics = KLStatistics(cv_coef=cv_coef, eos_coef=eos_coef, past_coef=lam, baseline=baseline)
-    # fewer than two other rows with tokens: no per-position spread to fit to, and a mean of one return adds its noise;
-    # far off-policy (weights past float64's range) a fit can overflow: its statistics are then 0, the plain form, and
-    # the baseline is held within +-(working dtype max)^(1/4) so that the row's own capped w_{1:t} times it stays finite
+    # every statistic is scaled by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows' tokens left
+    # after the per-position means (0 with fewer than two other rows with tokens: the plain form): a fit to a handful of
+    # tokens adds more noise than it removes (`fit_shrinkage`); far off-policy (weights past float64's range) a fit can
+    # overflow: its statistics are then 0, the plain form, and the baseline is held within +-(working dtype max)^(1/4)
+    # so that the row's own capped w_{1:t} times it stays finite
     # (tests/trl/test_faults.py::test_overflowing_importance_weights_stay_finite); all functions of the other rows
-    enough = others_sum((mask.sum(-1) > 0).to(dtype), same) >= 2
+    shrink = fit_shrinkage(count)
     bound = torch.finfo(out_dtype).max ** 0.25
-    return KLStatistics(*(torch.where((enough if x.dim() == 1 else enough[:, None]) & torch.isfinite(x), x, 0.0)
+    return KLStatistics(*(torch.where(torch.isfinite(x), x * (shrink if x.dim() == 1 else shrink[:, None]), 0.0)
                           .clamp(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
+
+
+def fit_shrinkage(count: Tensor) -> Tensor:
+    """[B] the factor dof / (dof + FIT_PRIOR_DOF) on every fitted statistic of row b, dof = sum_t max(n_{b,t} - 1, 0)
+    from count [B, T] = n_{b,t}, the other rows' tokens at position t (0 with fewer than two other rows with tokens).
+    Adding f x (a fitted reduction) changes the variance by 2 f Cov + f^2 Var: with few tokens the fit's own noise
+    (Var) outweighs what it removes, and a small f keeps the first-order gain
+    (bench/results/audit_V3_T3_task_fallback.txt, docs/variance.md)."""
+    dof = (count - 1).clamp(min=0).sum(-1)
+    return torch.where(dof > 0, dof / (dof + FIT_PRIOR_DOF), 0.0)
 
 
 def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Tensor, same: Tensor | None

@@ -58,6 +58,24 @@ def grpo_args(config_cls=None, **overrides):
     return config_cls(**kwargs)
 
 
+def logged(trainer, key):
+    """Every value of `key` in the trainer's log history, in order."""
+    return [r[key] for r in trainer.state.log_history if key in r]
+
+
+def replayed_budget(betas, seq_kl, target, start):
+    """kl_adapters.budget.KLBudget replayed over a run's logged per-step sequence KL: each logged beta must be the
+    controller's value at its step; returns the replay (its beta is the next step's)."""
+    from kl_adapters.budget import KLBudget
+
+    replay = KLBudget(target, start)
+    for beta, kl in zip(betas, seq_kl):
+        assert beta == pytest.approx(replay.beta, rel=1e-6)
+        replay.observe(kl, 1)
+        replay.update()
+    return replay
+
+
 def make_trainer(model_dir, dataset, *, trainer_cls=None, args=None, peft_config=None, **overrides):
     from trl import GRPOTrainer
 

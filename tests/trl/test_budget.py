@@ -8,17 +8,12 @@ import tempfile
 
 import pytest
 import torch
-from conftest import grpo_args, make_trainer, reward_a
+from conftest import grpo_args, logged, make_trainer, replayed_budget, reward_a
 
 import kl_adapters
 from kl_adapters.adapters import trl as adapter
-from kl_adapters.budget import KLBudget
 
 TARGET = 0.05
-
-
-def logged(trainer, key):
-    return [r[key] for r in trainer.state.log_history if key in r]
 
 
 def budget_trainer(model_dir, dataset, **overrides):
@@ -35,11 +30,7 @@ def test_beta_follows_the_steps_sequence_kl_once_per_optimizer_step(model_dir, d
     betas, seq_kl = logged(trainer, "kl_adapters/beta"), logged(trainer, "kl_adapters/seq_kl")
     assert len(betas) == len(seq_kl) == 4 and betas[0] == trainer.args.beta
     assert logged(trainer, "kl_adapters/kl_target") == [TARGET] * 4 and len(logged(trainer, "kl")) == 4
-    replay = KLBudget(TARGET, trainer.args.beta)
-    for beta, kl in zip(betas, seq_kl):
-        assert beta == pytest.approx(replay.beta, rel=1e-6)
-        replay.observe(kl, 1)
-        replay.update()
+    replay = replayed_budget(betas, seq_kl, TARGET, trainer.args.beta)
     budget = adapter.budget_of(trainer)
     assert budget.steps == 4 and budget.beta == pytest.approx(replay.beta, rel=1e-6)  # the next step's beta
     assert len(set(betas)) == 4  # it moved every step

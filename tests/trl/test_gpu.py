@@ -19,11 +19,10 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import make_trainer, one_batch, perturb  # noqa: E402
+from conftest import logged, make_trainer, one_batch, perturb, replayed_budget  # noqa: E402
 from test_grpo_gradients import expected_grad, trainer_grad  # noqa: E402
 
 from kl_adapters.adapters import trl as adapter  # noqa: E402
-from kl_adapters.budget import KLBudget  # noqa: E402
 from kl_adapters.tiny_models import save_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -53,10 +52,6 @@ def perturb_on_gpu(model, scale, seed):
     """conftest.perturb (CPU generator) on a CUDA model: before train() builds the optimizer, so moving is safe."""
     perturb(model.cpu(), scale=scale, seed=seed)
     model.cuda()
-
-
-def logged(trainer, key):
-    return [r[key] for r in trainer.state.log_history if key in r]
 
 
 def test_model_size(gpu_model_dir):
@@ -100,11 +95,7 @@ def test_kl_budget_on_cuda(gpu_model_dir, dataset):
     betas, seq_kl = logged(trainer, "kl_adapters/beta"), logged(trainer, "kl_adapters/seq_kl")
     assert len(betas) == len(seq_kl) == steps and all(math.isfinite(b) and b > 0 for b in betas)
     assert logged(trainer, "kl_adapters/kl_target") == [0.5] * steps
-    replay = KLBudget(0.5, trainer.args.beta)  # as tests/trl/test_budget.py: the logged betas are the controller's
-    for beta, kl in zip(betas, seq_kl):
-        assert beta == pytest.approx(replay.beta, rel=1e-6)
-        replay.observe(kl, 1)
-        replay.update()
+    replayed_budget(betas, seq_kl, 0.5, trainer.args.beta)  # the logged betas are the controller's
     assert betas[-1] != betas[0], betas
 
 

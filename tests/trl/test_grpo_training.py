@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import grpo_args, make_trainer
+from conftest import grpo_args, logged, make_trainer
 
 from kl_adapters.adapters import trl as adapter
 
@@ -19,10 +19,6 @@ def train(model_dir, dataset, **overrides):
     trainer = make_trainer(model_dir, dataset, **overrides)
     trainer.train()
     return trainer
-
-
-def logged(trainer, key):
-    return [r[key] for r in trainer.state.log_history if key in r]
 
 
 @pytest.mark.parametrize("preset", ["sequence", "reward"])

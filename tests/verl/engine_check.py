@@ -130,6 +130,19 @@ def separate_eos(path):
     return (prob * tokens["response_mask"]).float(), (tokens["responses"] == EOS_ID) & tokens["response_mask"].bool()
 
 
+def primed_eos(worker, loss_fn, path):
+    """As ActorRolloutRefWorker.init_model: the flagged loss set before compute_log_prob's forward, which keeps pi(EOS)
+    for the next update. Returns that forward's log-probs, the EndOfSequence of a separate float64 forward
+    (`separate_eos`) and the largest |kept - separate| pi(EOS) (None: nothing kept)."""
+    worker.set_loss_fn(loss_fn)
+    log_probs(worker)
+    eos_prob, is_eos = separate_eos(path)
+    kept = verl_adapter._stored_eos(batch(), R)  # what the update will find (emptied: filled again below)
+    kept_error = None if kept is None else float((kept.prob.cpu() - eos_prob).abs().max())
+    assert kept is None or torch.equal(kept.is_eos.cpu(), is_eos)
+    return log_probs(worker), EndOfSequence(eos_prob, is_eos, R), kept_error
+
+
 def capturing(config):
     """partial(ppo_loss, config=...) as verl's worker builds it, recording model_output's EOS_PROB per micro-batch."""
     captured = []
@@ -214,22 +227,15 @@ def main():
     mask = tokens["response_mask"]
     gen = torch.Generator().manual_seed(1)
     flagged_loss, captured = capturing(actor_config(f"kl_adapters:{args.preset}"))
-    worker.set_loss_fn(flagged_loss)  # as ActorRolloutRefWorker.init_model, before compute_log_prob
-    current = log_probs(worker)
-    eos_prob, is_eos = separate_eos(path)
-    kept = verl_adapter._stored_eos(batch(), R)  # what the update will find (emptied: fill it again below)
-    kept_error = None if kept is None else float((kept.prob.cpu() - eos_prob).abs().max())
-    assert kept is None or torch.equal(kept.is_eos.cpu(), is_eos)
-    current = log_probs(worker)
+    current, eos, kept_error = primed_eos(worker, flagged_loss, path)
     old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask  # a behaviour policy != pi_theta
     ref = (current + 0.5 * torch.randn(current.shape, generator=gen)) * mask
     adv = torch.randn(mask.shape[0], 1, generator=gen) * mask
-    eos = EndOfSequence(eos_prob, is_eos, R)
 
     theta0 = params(worker)
     flagged = train(worker, flagged_loss, old, ref, adv)
     step_flagged = theta0 - params(worker)
-    training_eos = torch.zeros_like(eos_prob)
+    training_eos = torch.zeros_like(eos.prob)
     for rows, prob in captured:  # the first update's micro-batches, at the initial weights
         training_eos[rows, :prob.shape[1]] = prob
     steps, metrics = {}, {}
@@ -255,7 +261,7 @@ def main():
     result = {
         "flag_off_equal": flag_off_is_upstream(worker, theta0, old, ref, adv),
         "kept_eos_error": kept_error,  # compute_log_prob's forward vs the separate one (None: nothing kept)
-        "training_eos_error": float((training_eos - eos_prob).abs().max()),
+        "training_eos_error": float((training_eos - eos.prob).abs().max()),
         "eos_effect": float((steps["oracle_without_eos"] - step_oracle).norm() / kl_part.norm()),
         "kl_rel_error": float((step_flagged - step_oracle).norm() / kl_part.norm()),
         "kl_vs_task": float(kl_part.norm() / step_task.norm()),

@@ -58,17 +58,11 @@ def gradient_identity(path: str, old, ref, adv) -> dict:
     that forward keeps; the oracle takes them from a separate float64 transformers forward (`separate_eos`)."""
     worker = ec.build_worker(path, "SGD", 1.0)
     flagged = partial(ec.losses.ppo_loss, config=ec.actor_config(f"kl_adapters:{args.preset}"))
-    worker.set_loss_fn(flagged)
-    ec.log_probs(worker)
-    eos_prob, is_eos = ec.separate_eos(path)
-    kept = ec.verl_adapter._stored_eos(ec.batch(), ec.R)  # what the update will find (emptied: fill it again)
-    kept_error = None if kept is None else float((kept.prob.cpu() - eos_prob).abs().max())
-    ec.log_probs(worker)
+    _, eos, kept_error = ec.primed_eos(worker, flagged, path)
     theta0 = ec.params(worker)
     ec.train(worker, flagged, old, ref, adv)
     step_flagged = theta0 - ec.params(worker)
     worker.reset()
-    eos = ec.EndOfSequence(eos_prob, is_eos, ec.R)
     ec.train(worker, ec.oracle(ec.actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref, adv, eos),
              old, ref, adv)
     step_oracle = theta0 - ec.params(worker)

@@ -204,6 +204,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=800, help="Monte Carlo: batches per state")
     parser.add_argument("--blocks", type=int, default=20, help="Monte Carlo: blocks for the standard errors")
     parser.add_argument("--seed", type=int, default=0, help="Monte Carlo: sampling seed")
+    parser.add_argument("--name", default=None, help="results go to bench/results/<name>.* (default "
+                        "demo_gradient_variance[_g<G>|_trained])")
     parser.add_argument("--trained", action="append", default=[], metavar="CONFIG:SEED:STEP",
                         help="Monte Carlo at the policy of a demo training run instead of the ascent path")
     args = parser.parse_args()
@@ -218,7 +220,7 @@ def main() -> int:
         for spec in args.trained:
             spec_rows, kl_opt[spec] = trained_rows(problem, configs, spec, args)
             rows += spec_rows
-        return report_rows(rows, args, kl_opt, "demo_gradient_variance_trained")
+        return report_rows(rows, args, kl_opt, args.name or "demo_gradient_variance_trained")
     model, factories, scale = loss_factories(problem, configs)
     with torch.no_grad():
         ref_tok = completion_logprobs(model, enumerated_input_ids(problem), problem.space.mask)
@@ -237,8 +239,8 @@ def main() -> int:
         else:
             rows += monte_carlo_rows(problem, model, ref_tok, factories, configs, state, args.group, args.batches,
                                      args.blocks, generator)
-    return report_rows(rows, args, kl_opt,
-                       "demo_gradient_variance" if args.group == 2 else f"demo_gradient_variance_g{args.group}")
+    return report_rows(rows, args, kl_opt, args.name or (
+        "demo_gradient_variance" if args.group == 2 else f"demo_gradient_variance_g{args.group}"))
 
 
 def report_rows(rows: list[dict], args, kl_opt: dict, name: str) -> int:

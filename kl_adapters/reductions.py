@@ -29,7 +29,8 @@ cancelled; so the coefficients are fitted to the combined weight, not to the KL 
 
 How they are fitted (`batch_statistics`), for row b from the other rows b' of its group (leave-one-out):
   1. KL-only coefficients, precise because they are token-level: a~_b = clamp(-sum k1 xi / sum xi^2, 0, 1) (the
-     regression of k1 on xi, with CV_PRIOR_TOKENS of prior weight on 0) and kappa_b = the mean k1 per token (the KL a
+     regression of k1 on xi, with CV_PRIOR_TOKENS of prior weight on 0, and the upper tail of xi that E[xi] = 0 says
+     the other rows did not draw counted in: `unseen_tail`) and kappa_b = the mean k1 per token (the KL a
      stop gives up per lost position). a~_b Q and -kappa_b H are the KL-optimal control variates of the return after
      t (a fitted termination coefficient would be noisy: a stop is a rare, row-level event).
   2. The joint fit: with the other rows' returns from t given they reached t (P: the preset's, Q = sum_{s>t} xi_s,
@@ -58,6 +59,8 @@ from torch import Tensor
 
 from .estimators import capped, reverse_cumsum
 
+#: standard errors by which the other rows' sum of xi must fall below 0 to count as an unseen upper tail (`unseen_tail`)
+TAIL_Z = 2.0
 #: prior weight, in tokens, of a~ = 0 (the plain k1 return) against the fitted token-level coefficient
 CV_PRIOR_TOKENS = 4.0
 #: smallest prefix weight, relative to the row's largest, that `relative_returns` divides by (log scale)
@@ -363,10 +366,26 @@ def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor) -
 
 
 def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(a~_b, kappa_b) [B] from the other rows' tokens: the regression of k1 on xi and the mean k1 per token."""
-    x = torch.stack((k1 * cv, cv.square(), k1, mask), 1).sum(-1)
+    """(a~_b, kappa_b) [B] from the other rows' tokens: the regression of k1 on xi, guarded against xi's unseen upper
+    tail (`unseen_tail`), and the mean k1 per token. Sums in float64 (leave-one-out: totals minus the row's own)."""
+    x = torch.stack((k1 * cv, cv.square(), k1, mask, cv), 1).to(torch.float64).sum(-1)
     o = others_sum(x, same)
-    return _regression(-o[:, 0], o[:, 1], o[:, 3]), torch.where(o[:, 3] > 0, o[:, 2] / o[:, 3].clamp(min=1.0), 0.0)
+    missing = unseen_tail(o[:, 4], o[:, 1])
+    a = _regression(-o[:, 0] + missing * torch.log1p(missing), o[:, 1] + missing.square(), o[:, 3])
+    kappa = torch.where(o[:, 3] > 0, o[:, 2] / o[:, 3].clamp(min=1.0), 0.0)
+    return a.to(k1.dtype), kappa.to(k1.dtype)
+
+
+def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
+    """M = max(0, -sum xi - TAIL_Z sqrt(sum xi^2)): the positive mass of xi = pi_ref/pi - 1 that the other rows' tokens
+    are missing. E_pi[xi | y_<t] = 0 exactly and xi >= -1, so where pi has suppressed a token that pi_ref allows, the
+    rare samples of it (xi large) are what balance many small negative xi; a sum of xi far below 0 (beyond TAIL_Z of
+    its own standard error, ~sqrt(sum xi^2) without a tail) says they were not drawn. The regression of k1 on xi then
+    counts M as one more token with xi = M and k1 = -log(1 + M) (the most conservative: the largest xi^2 for that mass),
+    which pulls a~ toward 0 where the control variate's variance is dominated by a tail the fit cannot see (the
+    long-horizon problem near pi*, `bench/reduction_components.py`; docs/variance.md). A function of the other rows:
+    the gradient stays exact (tests/core/test_batch_exactness.py)."""
+    return (-sum_xi - TAIL_Z * sum_xi_sq.clamp(min=0.0).sqrt()).clamp(min=0.0)
 
 
 def score_weight(logp: Tensor, mask: Tensor) -> Tensor:

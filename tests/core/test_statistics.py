@@ -152,6 +152,36 @@ def test_small_fits_are_shrunk_toward_the_plain_form(monkeypatch):
         assert torch.allclose(getattr(shrunk, name), value * scale, rtol=1e-12, atol=1e-15), name
 
 
+def test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero():
+    """pi has suppressed a token that pi_ref allows (pi 0.01, pi_ref 0.5); the other token (pi 0.99, pi_ref 0.5) gives
+    xi = 0.5 / 0.99 - 1 each time. E_pi[xi] = 0, so a sum of xi far below 0 says the rare xi = 49 was not drawn: a~ of
+    a row whose other rows never drew it falls from ~0.95 (the regression on the drawn tokens alone) to
+    (-sum k1 xi + M log(1 + M)) / (sum xi^2 + M^2), M = -sum xi - TAIL_Z sqrt(sum xi^2) (`reductions.unseen_tail`);
+    once another row holds the tail token the sum is balanced and the plain regression is kept (the long-horizon
+    problem near pi*: `sequence` 3.97x -> 0.92x `sequence-plain`'s task + KL variance, docs/variance.md)."""
+    import math
+
+    from kl_adapters import reductions
+
+    assert reductions.TAIL_Z == 2.0
+    k1 = torch.full((4, 25), math.log(0.99 / 0.5), dtype=torch.float64)
+    mask = torch.ones_like(k1)
+    unseen, _ = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None)
+    xi, n = 0.5 / 0.99 - 1, 75
+    tail = -n * xi - 2.0 * math.sqrt(n * xi * xi)
+    guarded = (-n * k1[0, 0].item() * xi + tail * math.log1p(tail)) / (n * xi * xi + tail * tail) * n / (n + 4.0)
+    assert torch.allclose(unseen, torch.full((4,), guarded, dtype=torch.float64)) and guarded < 0.2
+    k1[0, 0] = -math.log(0.5 / 0.01)  # row 0 draws the suppressed token once: xi = 49
+    drawn, _ = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None)
+    assert torch.isclose(drawn[0], unseen[0], rtol=1e-12)  # row 0's own tail is not in its fit (leave-one-out)
+    assert drawn[1] < unseen[0] < 2 * drawn[1]  # the guess 0.139 against 0.085 from a fit that drew the tail
+    for row in (1, 2, 3):
+        rest = torch.cat((k1[:row], k1[row + 1:]))
+        x = torch.expm1(-rest)
+        assert reductions.unseen_tail(x.sum(), x.square().sum()) == 0
+        assert torch.isclose(drawn[row], -(rest * x).sum() / x.square().sum() * 75 / 79)
+
+
 def test_statistics_are_detached_and_in_the_working_dtype():
     logp, ref, mask, _ = _batch()
     x = logp.float().requires_grad_(True)

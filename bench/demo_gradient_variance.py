@@ -33,7 +33,6 @@ Usage: .venvs/trl/bin/python bench/demo_gradient_variance.py [--states 40 150 40
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from timing import write_result  # noqa: E402
+from timing import write_result_and_table  # noqa: E402
 
 from kl_adapters.adapters import trl as trl_adapter  # noqa: E402
 from kl_adapters.demo import gradient_check, harness, run, trl_runner  # noqa: E402
@@ -247,11 +246,10 @@ def report_rows(rows: list[dict], args, kl_opt: dict, name: str) -> int:
     """Print the table; write bench/results/<name>.json (rows, settings, command) and <name>.txt."""
     text = table(rows, args, kl_opt)
     print(text)
-    path = write_result(name, {"states": args.trained or args.states, "configs": args.configs.split(","), "rows": rows,
-                               "group": args.group, "kl_opt": kl_opt, "framework": "TRL 1.16 GRPOTrainer.compute_loss",
-                               **({} if args.group == 2 else {"batches": args.batches, "blocks": args.blocks,
-                                                              "seed": args.seed})})
-    path.with_suffix(".txt").write_text(f"$ {json.loads(path.read_text())['command']}\n{text}\n")
+    path = write_result_and_table(name, {
+        "states": args.trained or args.states, "configs": args.configs.split(","), "rows": rows, "group": args.group,
+        "kl_opt": kl_opt, "framework": "TRL 1.16 GRPOTrainer.compute_loss",
+        **({} if args.group == 2 else {"batches": args.batches, "blocks": args.blocks, "seed": args.seed})}, text)
     print(f"wrote {path} and {path.with_suffix('.txt').name}")
     return 0
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import write_result  # noqa: E402
+from timing import write_result_and_table  # noqa: E402
 from zeroed_statistics import FIELDS, zeroed  # noqa: E402
 
 from kl_adapters.demo.long_horizon_harness import LongSettings  # noqa: E402
@@ -68,10 +68,8 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     name = f"reduction_components_T{args.horizon}_step{args.step}" + (f"_seed{args.seed}" if args.seed else "")
-    path = write_result(name, {"rows": rows, "horizon": args.horizon, "step": args.step, "groups": args.groups})
-    path.with_suffix(".txt").write_text(f"$ .venvs/trl/bin/python bench/reduction_components.py --horizon "
-                                        f"{args.horizon} --step {args.step} --groups {args.groups}"
-                                        + (f" --seed {args.seed}" if args.seed else "") + f"\n{text}\n")
+    write_result_and_table(name, {"rows": rows, "horizon": args.horizon, "step": args.step, "groups": args.groups},
+                           text)
     return 0
 
 

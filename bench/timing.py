@@ -60,3 +60,10 @@ def write_result(name: str, data: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+def write_result_and_table(name: str, data: dict, text: str) -> Path:
+    """`write_result`, and bench/results/<name>.txt: the same command line ("$ ...") followed by the printed table."""
+    path = write_result(name, data)
+    path.with_suffix(".txt").write_text(f"$ {json.loads(path.read_text())['command']}\n{text}\n")
+    return path

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import write_result  # noqa: E402
+from timing import write_result_and_table  # noqa: E402
 from zeroed_statistics import zeroed  # noqa: E402
 
 from kl_adapters.demo.long_horizon_harness import LongSettings  # noqa: E402
@@ -59,10 +59,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     name = args.name or f"zeroed_training_T{args.horizon}_seed{args.seed}"
-    path = write_result(name, {"rows": rows, "horizon": args.horizon, "seed": args.seed})
-    path.with_suffix(".txt").write_text(f"$ .venvs/trl/bin/python bench/{Path(__file__).name} --horizon {args.horizon}"
-                                        f" --seed {args.seed} --zero {' '.join(args.zero)}"
-                                        + (f" --name {args.name}" if args.name else "") + f"\n{text}\n")
+    write_result_and_table(name, {"rows": rows, "horizon": args.horizon, "seed": args.seed}, text)
     return 0
 
 

@@ -264,14 +264,20 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
                 "resample": r.resample, "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
-    feats = torch.stack([channels[n].to(dtype) for n in names], 1)  # [B, k, T], zero at padding
-    om = omega * mask
-    weighted = om[:, None] * feats
-    sums = others_sum(torch.cat((torch.stack((om, mask), 1), weighted), 1), same)
+    # one [B, 2 + k, T] buffer of (omega, mask, omega x channels), written in place: the fit is memory-bound, so every
+    # pass over a [B, k, T] float64 tensor counts (bench/kl_term_cost.py)
+    per_token = torch.empty(batch, 2 + len(names), mask.shape[1], dtype=dtype, device=mask.device)
+    om = torch.mul(omega, mask, out=per_token[:, 0])
+    per_token[:, 1] = mask
+    feats = torch.empty_like(per_token[:, 2:])  # [B, k, T], zero at padding
+    for i, n in enumerate(names):
+        feats[:, i] = channels[n]
+    weighted = torch.mul(om[:, None], feats, out=per_token[:, 2:])
+    sums = others_sum(per_token, same)
     weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]
-    gram = others_sum(torch.einsum("bit,bjt->bij", weighted, feats), same)
+    gram = others_sum(torch.bmm(weighted, feats.transpose(1, 2)), same)
     inv_w = torch.where(weight > 0, weight.clamp(min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
-    centred = gram - torch.einsum("bit,bjt->bij", s_f * inv_w[:, None], s_f)  # per-position centred, summed over t
+    centred = gram - torch.bmm(s_f * inv_w[:, None], s_f.transpose(1, 2))  # per-position centred, summed over t
     # y = P - scale (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
     features = [n for n in ("xi", "eos", "resample", "past") if n in names]
     lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
@@ -285,7 +291,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
     theta = _joint_fit(moments, raw, count.sum(-1))
     coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu)
-    mean = ((coef[:, :, None] * s_f).sum(1) + (scale * mu)[:, None] * weight) * inv_w
+    mean = (torch.bmm(coef[:, None], s_f)[:, 0] + (scale * mu)[:, None] * weight) * inv_w
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
     baseline = _james_stein(mean, var_z, weight, count)
     fitted = dict(zip(features, theta.unbind(-1)))
@@ -368,7 +374,7 @@ def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor) -
 def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> tuple[Tensor, Tensor]:
     """(a~_b, kappa_b) [B] from the other rows' tokens: the regression of k1 on xi, guarded against xi's unseen upper
     tail (`unseen_tail`), and the mean k1 per token. Sums in float64 (leave-one-out: totals minus the row's own)."""
-    x = torch.stack((k1 * cv, cv.square(), k1, mask, cv), 1).to(torch.float64).sum(-1)
+    x = torch.stack((k1 * cv, cv.square(), k1, mask, cv), 1).sum(-1, dtype=torch.float64)
     o = others_sum(x, same)
     missing = unseen_tail(o[:, 4], o[:, 1])
     a = _regression(-o[:, 0] + missing * torch.log1p(missing), o[:, 1] + missing.square(), o[:, 3])

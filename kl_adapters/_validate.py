@@ -68,7 +68,7 @@ def check_statistics(statistics, logp: Tensor) -> dict[str, Tensor]:
     """KLStatistics rows must align with the [B, T] batch: cv_coef, eos_coef, past_coef [B] and baseline [B, T],
     floating point, on logp's device.
 
-    Returns the tensors to check for finiteness at real tokens (broadcast to [B, T]) in check_batch's one sync.
+    Returns the tensors to check for finiteness at real tokens ([B, 1] or [B, T]) in check_batch's one sync.
     """
     from torch import Tensor
     rows = tuple(logp.shape[:1])
@@ -86,7 +86,7 @@ def check_statistics(statistics, logp: Tensor) -> dict[str, Tensor]:
             raise TypeError(f"{name} must be floating point, got {t.dtype}")
         if t.device != logp.device:
             raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
-        out[name] = t if t.dim() == 2 else t[:, None].expand(logp.shape)
+        out[name] = t if t.dim() == 2 else t[:, None]
     return out
 
 
@@ -111,7 +111,7 @@ def check_statistics_options(statistics, group, task) -> None:
 def check_task(task, logp: Tensor) -> dict[str, Tensor]:
     """TaskAdvantages: advantages [B] or [B, T] floating on logp's device, beta finite and > 0, normalized a bool.
 
-    Returns the advantages broadcast to [B, T] for check_batch's finiteness check at real tokens.
+    Returns the advantages as [B, 1] or [B, T] for check_batch's finiteness check at real tokens.
     """
     import torch
     from torch import Tensor
@@ -127,15 +127,14 @@ def check_task(task, logp: Tensor) -> dict[str, Tensor]:
                          f"{tuple(logp.shape)}")
     if adv.device != logp.device:
         raise ValueError(f"task.advantages is on {adv.device}, logp on {logp.device}")
-    beta, out = task.beta, {"task.advantages": adv if adv.dim() == 2 else adv[:, None].expand(logp.shape)}
+    beta, out = task.beta, {"task.advantages": adv if adv.dim() == 2 else adv[:, None]}
     if isinstance(beta, Tensor):  # one ratio per row: finite and > 0 (checked in check_batch's one sync)
         if beta.dim() not in (0, 1) or (beta.dim() == 1 and tuple(beta.shape) != tuple(logp.shape[:1])):
             raise ValueError(f"task.beta must be a number or a [B] tensor, B = {logp.shape[0]}; got shape "
                              f"{tuple(beta.shape)}")
         if not beta.is_floating_point() or beta.device != logp.device:
             raise TypeError(f"task.beta must be a floating-point tensor on {logp.device}")
-        out["task.beta (> 0)"] = torch.where(beta > 0, beta, float("nan")).expand(logp.shape[:1])[:, None].expand(
-            logp.shape)
+        out["task.beta (> 0)"] = torch.where(beta > 0, beta, float("nan")).expand(logp.shape[:1])[:, None]
     elif isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
         raise ValueError(f"task.beta must be a finite number > 0 (the KL coefficient on the advantages' scale), got "
                          f"{task.beta!r}")

@@ -132,7 +132,8 @@ def table(summary: dict[int, dict[str, dict]], decided: dict[int, dict], title: 
             gap = row["gap"]
             seeds = ", ".join(f"{x:.4f}" for x in gap["per_seed"])
             test = "best" if config == entry["best"] else _versus(entry["versus_best"].get(config))
-            lines.append(f"{config:<{width}}{gap['mean']:>15.4f} +- {gap['se']:<7.4f}  {seeds:<26}"
+            spread = f"+- {gap['se']:<7.4f}" if len(gap["per_seed"]) > 1 else f"{'(1 seed)':<10}"
+            lines.append(f"{config:<{width}}{gap['mean']:>15.4f} {spread}  {seeds:<26}"
                          f"{row['reward']['mean']:>7.3f}{row['kl_ref']['mean']:>12.3f}{row['length']['mean']:>8.0f}"
                          f"{row['step_seconds']:>8.2f}  {test}")
         if "ratio" in entry:

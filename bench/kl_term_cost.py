@@ -65,6 +65,8 @@ def main() -> int:
     parser.add_argument("--note", default="", help="measurement conditions (e.g. other work running)")
     args = parser.parse_args()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+    if sync is None:
+        torch.set_num_threads(1)  # as the other benchmarks: reproducible, and fair on a shared machine
     results = {}
     for b, t, off_policy in SHAPES:
         times = alternating(configs(*batch(b, t, args.device), off_policy), repeats=args.repeats, sync=sync)

@@ -21,23 +21,35 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import RESULTS, write_result  # noqa: E402
 
 from kl_adapters import kl_surrogate  # noqa: E402
-from kl_adapters.audit import sequence_space, token_logps  # noqa: E402
+from kl_adapters.audit import SequenceSpace, sequence_space, token_logps  # noqa: E402
 
 CONFIGS = ("sequence", "reward", "sequence-plain", "token", "k3-loss", "k1-loss", "k3-reward", "beta=0")
 
 
+def problem(space: SequenceSpace, seed: int, ref_scale: float) -> tuple[Tensor, Tensor]:
+    """(pi_ref's logits [nodes, V] ~ N(0, ref_scale^2), rewards [sequences] ~ U[0, 1)) of one random problem."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    ref_logits = ref_scale * torch.randn(len(space.nodes), space.vocab, generator=gen, dtype=torch.float64)
+    return ref_logits, torch.rand(space.num_sequences, generator=gen, dtype=torch.float64)
+
+
+def log_optimum(space: SequenceSpace, ref_logits: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """[sequences] log pi*(y), pi* = pi_ref exp(r / beta) / Z."""
+    ref_seq = token_logps(space, ref_logits).sum(-1)
+    return ref_seq + rewards / beta - torch.logsumexp(ref_seq + rewards / beta, 0)
+
+
 def run(config: str, seed: int, a: argparse.Namespace) -> dict[str, list[float]]:
     space = sequence_space(a.vocab, a.horizon)
-    gen = torch.Generator().manual_seed(1000 + seed)
-    ref_logits = a.ref_scale * torch.randn(len(space.nodes), a.vocab, generator=gen, dtype=torch.float64)
-    rewards = torch.rand(space.num_sequences, generator=gen, dtype=torch.float64)
+    ref_logits, rewards = problem(space, seed, a.ref_scale)
     ref_seq = token_logps(space, ref_logits).sum(-1)
-    log_opt = ref_seq + rewards / a.beta - torch.logsumexp(ref_seq + rewards / a.beta, 0)
+    log_opt = log_optimum(space, ref_logits, rewards, a.beta)
     theta = ref_logits.clone().requires_grad_(True)
     opt = torch.optim.Adam([theta], lr=a.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 - k / a.steps)  # linear decay, as TRL's default

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tabular_toys import log_optimum, problem  # noqa: E402
 from timing import write_result_and_table  # noqa: E402
 from variance import Moments, Progress, ratio_with_se  # noqa: E402
 
@@ -39,13 +40,6 @@ from kl_adapters.audit import DTYPE, SequenceSpace, kl_seq, sequence_space, toke
 from kl_adapters.presets import get_preset  # noqa: E402
 
 PLAIN = "sequence-plain"
-
-
-def problem(space: SequenceSpace, seed: int, ref_scale: float) -> tuple[Tensor, Tensor]:
-    """(pi_ref's logits [nodes, V], rewards [sequences]) of one random problem."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    ref = ref_scale * torch.randn(len(space.nodes), space.vocab, generator=gen, dtype=DTYPE)
-    return ref, torch.rand(space.num_sequences, generator=gen, dtype=DTYPE)
 
 
 def ascent_path(space: SequenceSpace, ref: Tensor, rewards: Tensor, beta: float, steps: list[int], lr: float
@@ -67,9 +61,8 @@ def ascent_path(space: SequenceSpace, ref: Tensor, rewards: Tensor, beta: float,
 
 def distance_to_optimum(space: SequenceSpace, logits: Tensor, ref: Tensor, rewards: Tensor, beta: float) -> float:
     """KL(pi || pi*) exactly, pi* = pi_ref exp(r / beta) / Z."""
-    seq, ref_seq = token_logps(space, logits).sum(-1), token_logps(space, ref).sum(-1)
-    log_opt = ref_seq + rewards / beta - torch.logsumexp(ref_seq + rewards / beta, 0)
-    return float((seq.exp() * (seq - log_opt)).sum())
+    seq = token_logps(space, logits).sum(-1)
+    return float((seq.exp() * (seq - log_optimum(space, ref, rewards, beta))).sum())
 
 
 def exact_gradient(space: SequenceSpace, logits: Tensor, ref: Tensor, rewards: Tensor, beta: float, group: int

@@ -264,8 +264,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
                 "resample": r.resample, "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
-    # one [B, 2 + k, T] buffer of (omega, mask, omega x channels), written in place: the fit is memory-bound, so every
-    # pass over a [B, k, T] float64 tensor counts (bench/kl_term_cost.py)
+    # one [B, 2 + k, T] buffer of (omega, mask, omega x channels), written in place (no stack + cat copies of it)
     per_token = torch.empty(batch, 2 + len(names), mask.shape[1], dtype=dtype, device=mask.device)
     om = torch.mul(omega, mask, out=per_token[:, 0])
     per_token[:, 1] = mask

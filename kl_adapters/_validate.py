@@ -14,14 +14,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None = None,
-                also_finite: dict[str, Tensor] | None = None, also_false: dict[str, Tensor] | None = None) -> Tensor:
-    """Validate a [B, T] batch of per-token log-probs and return the mask as a bool tensor.
+                also_finite: dict[str, Tensor | tuple[Tensor, tuple[float, float]]] | None = None,
+                also_false: dict[str, Tensor] | None = None) -> Tensor:
+    """`checked_batch`'s mask."""
+    return checked_batch(logp, ref_logp, mask, old_logp, also_finite, also_false)[0]
+
+
+def checked_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None = None,
+                  also_finite: dict[str, Tensor | tuple[Tensor, tuple[float, float]]] | None = None,
+                  also_false: dict[str, Tensor] | None = None) -> tuple[Tensor, bool]:
+    """Validate a [B, T] batch of per-token log-probs; return the mask as a bool tensor, and whether every checked
+    tensor is finite (and within its bounds) at every token, padding included: then multiplying by the mask zeroes
+    the padding as torch.where does, and costs less.
 
     Raises TypeError / ValueError naming the offending argument when: an argument is not a tensor, shapes or devices
     differ, tensors are not 2-D, log-probs are not floating point, the mask holds values other than 0/1, or a log-prob is
     non-finite at a real (unmasked) token. Padding may hold anything (it is never read past this check).
-    also_finite: further [B, T]-broadcastable tensors (already shape-checked) that must be finite at real tokens;
-    also_false: 0-dim bool tensors, each raising ValueError(its key) when true. One host synchronisation for all.
+    also_finite: further [B, T] or [B, 1] tensors (already shape-checked) that must be finite at real tokens, or
+    (tensor, (low, high)) for a tensor that must also lie within [low, high] there (0 in it); also_false: 0-dim bool
+    tensors, each raising ValueError(its key) when true. One host synchronisation for all (a second one, for the exact
+    check at real tokens, only where a tensor's padding holds non-finite or out-of-bounds values).
     """
     import torch
     from torch import Tensor
@@ -44,24 +56,72 @@ def check_batch(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor |
         raise TypeError(f"mask must be bool or 0/1, got {mask.dtype}")
     m = mask if mask.dtype == torch.bool else mask != 0
     not_binary = ((mask != 0) & (mask != 1)).any() if mask.dtype != torch.bool else torch.zeros((), dtype=torch.bool)
-    flags = [("mask", not_binary.to(mask.device))]
-    for name, t in named.items():
-        if name != "mask":
-            nonfinite_real_token = (~torch.isfinite(t.detach()) & m).any()
-            flags.append((name, nonfinite_real_token))
-    for name, t in (also_finite or {}).items():
-        flags.append((name, (~torch.isfinite(t.detach()) & m).any()))
-    rules = [(message, flag.to(mask.device)) for message, flag in (also_false or {}).items()]
-    bad = torch.stack([f for _, f in flags + rules]).tolist()
-    for (message, _), is_bad in zip(rules, bad[len(flags):]):
+    checked = {name: (t, None) for name, t in named.items() if name != "mask"}
+    checked |= {name: v if isinstance(v, tuple) else (v, None) for name, v in (also_finite or {}).items()}
+    # one min and max per tensor over all its tokens, padding included (nan propagates): where they are finite and
+    # within the tensor's bounds, so is every real token; otherwise `_check_real_tokens` decides on the real ones
+    rules = [(message, flag) for message, flag in (also_false or {}).items()]
+    flags = [not_binary, *(f for _, f in rules)]
+    values = _values([f.to(mask.device) for f in flags] + [x for t, _ in checked.values() for x in _extremes(t)])
+    for (message, _), is_bad in zip(rules, values[1:len(flags)]):
         if is_bad:
             raise ValueError(message)
-    if bad[0]:
+    if values[0]:
         raise ValueError("mask must contain only 0/1 (or bool) values")
-    for (name, _), is_bad in zip(flags[1:], bad[1:]):
-        if is_bad:
+    extremes = values[len(flags):]
+    everywhere = all(_within(extremes[2 * i: 2 * i + 2], bounds) for i, (_, bounds) in enumerate(checked.values()))
+    if not everywhere:
+        _check_real_tokens(checked, m)
+    return m, everywhere
+
+
+def _within(extremes: list[float], bounds: tuple[float, float] | None) -> bool:
+    low, high = extremes
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return False
+    return bounds is None or bounds[0] <= low <= high <= bounds[1]
+
+
+def _check_real_tokens(checked: dict, m: Tensor) -> None:
+    """The exact check, at real tokens only (padding may hold anything): ValueError naming the first tensor that is
+    non-finite or out of its bounds there. `checked`: name -> ([B, T] or [B, 1] tensor, (low, high) or None)."""
+    import torch
+    rows = m.any(-1, keepdim=True)
+    values = _values([x for t, _ in checked.values()
+                      for x in _extremes(torch.where(rows if t.shape[-1] == 1 else m, t.detach(), 0))])
+    for i, (name, (_, bounds)) in enumerate(checked.items()):
+        low, high = values[2 * i: 2 * i + 2]
+        if not (math.isfinite(low) and math.isfinite(high)):
             raise ValueError(f"{name} has non-finite values (nan/inf) at unmasked tokens")
-    return m
+        if not _within([low, high], bounds):
+            raise ValueError(f"{name} has values outside [{bounds[0]}, {bounds[1]}] at unmasked tokens")
+
+
+def _values(scalars: list[Tensor]) -> list[float]:
+    """The values of 0-dim tensors of any dtypes (on one device), in order, in one host synchronisation: stacked per
+    dtype (one stack of mixed dtypes promotes element by element, which is slower on CPU)."""
+    import torch
+    if not scalars:
+        return []
+    by_dtype: dict = {}
+    for i, x in enumerate(scalars):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    order = [i for positions in by_dtype.values() for i in positions]
+    flat = torch.cat([torch.stack([scalars[i] for i in positions]).to(torch.float64)
+                      for positions in by_dtype.values()]).tolist()
+    out = [0.0] * len(scalars)
+    for i, value in zip(order, flat):
+        out[i] = value
+    return out
+
+
+def _extremes(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(min, max) of t, 0-dim (nan if t holds one); (0, 0) for an empty t (0 is within every bounds used)."""
+    import torch
+    if t.numel() == 0:
+        zero = torch.zeros((), dtype=t.dtype, device=t.device)
+        return zero, zero
+    return torch.aminmax(t.detach())
 
 
 def check_statistics(statistics, logp: Tensor) -> dict[str, Tensor]:
@@ -143,10 +203,10 @@ def check_task(task, logp: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def check_eos(eos, logp: Tensor) -> dict[str, Tensor]:
+def check_eos(eos, logp: Tensor) -> dict[str, tuple[Tensor, tuple[float, float]]]:
     """EndOfSequence: prob [B, T] floating, is_eos [B, T] bool, on logp's device; horizon None or an int >= T.
 
-    Returns the tensors for check_batch's one sync: prob must be finite and in [0, 1] at real tokens.
+    Returns (prob, (0, 1)) for check_batch's one sync: prob must be finite and in [0, 1] at real tokens.
     """
     import torch
     from torch import Tensor
@@ -168,9 +228,7 @@ def check_eos(eos, logp: Tensor) -> dict[str, Tensor]:
     h = eos.horizon
     if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < logp.shape[1]):
         raise ValueError(f"eos.horizon must be None or an int >= the batch width {logp.shape[1]}, got {h!r}")
-    p = eos.prob.detach()
-    # NaN where p is outside [0, 1], so that check_batch's finiteness check names it
-    return {"eos.prob (a probability in [0, 1])": torch.where((p >= 0) & (p <= 1), p, float("nan"))}
+    return {"eos.prob (a probability in [0, 1])": (eos.prob, (0.0, 1.0))}
 
 
 def check_group(group: Tensor | None, logp: Tensor) -> None:

@@ -21,6 +21,12 @@ def working_dtype(*tensors: Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def as_float(flags: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool tensor as 0/1 in dtype, through its bytes (uint8): the same values as flags.to(dtype), whose conversion
+    from bool is the slower one on CPU."""
+    return flags.view(torch.uint8).to(dtype)
+
+
 def k1(log_ratio: Tensor) -> Tensor:
     """k1 = log pi/pi_ref (the log-ratio itself)."""
     return log_ratio
@@ -51,7 +57,7 @@ def reverse_cumsum(x: Tensor, discount: float = 1.0) -> Tensor:
     a block, carried across blocks), so no power overflows at any length. Pinned by
     tests/core/test_discount.py::test_discounted_reverse_cumsum_equals_the_recursion."""
     if discount == 1.0:
-        return x.flip(-1).cumsum(-1).flip(-1)
+        return x.flip(-1).cumsum_(-1).flip(-1)  # (flip copies: the cumulative sum runs in place on the copy)
     width = x.shape[-1]
     block = max(1, min(width, int(30.0 / -math.log(discount))))
     n_blocks = -(-width // block)

@@ -53,9 +53,9 @@ from torch import Tensor
 
 from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_statistics,
                         check_statistics_options, check_task, eos_rule)
-from .estimators import capped, reverse_cumsum, working_dtype
+from .estimators import as_float, capped, reverse_cumsum, working_dtype
 from .presets import FULL
-from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum, past_kl,
+from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum_, past_kl,
                          relative_returns, same_group, score_weight, termination_increments)
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
@@ -99,14 +99,14 @@ def full_statistics(kl: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *,
     m = check_batch(logp, ref_logp, mask, old_logp, also_finite={"kl": kl, **finite})
     check_group(group, logp)
     dtype = working_dtype(logp, ref_logp, old_logp, kl)
-    mf = m.to(dtype)
+    mf = as_float(m, dtype)
     lp = torch.where(m, logp.detach().to(dtype), 0.0)
     k1 = lp - torch.where(m, ref_logp.detach().to(dtype), 0.0)
     log_rho = torch.zeros_like(lp) if old_logp is None else lp - torch.where(m, old_logp.detach().to(dtype), 0.0)
     task = None if task is None else TaskAdvantages(torch.where(m, (task.advantages if task.advantages.dim() == 2 else
                                                                     task.advantages[:, None]).detach().to(dtype), 0.0),
                                                     task.beta, task.normalized)
-    eta = None if eos is None else termination_increments(eos, mf, dtype, discount)
+    eta = None if eos is None else termination_increments(eos, m, dtype, discount)
     return _statistics(torch.where(m, kl.detach().to(dtype), 0.0), k1, lp, log_rho, mf, eta, task, group, discount)
 
 
@@ -119,7 +119,7 @@ def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Ten
     future = ret[:, 0]  # sum_{s>t} w_{t+1:s-1} KL_s
     returns = Returns(ret=future, cv=torch.zeros_like(kl), past=past_kl(k1, mask),
                       eos=None if eta is None else ret[:, 2] - eta, resample=ret[:, 1] - k1 - future)
-    x = others_sum(torch.stack((kl, mask), 1).sum(-1), same)
+    x = others_sum_(torch.stack((kl, mask), 1).sum(-1), same)
     kappa = torch.where(x[:, 1] > 0, x[:, 0] / x[:, 1].clamp(min=1.0), 0.0)
     return batch_statistics(returns, torch.zeros_like(kappa), kappa, task, score_weight(logp, mask), mask, same)
 
@@ -213,7 +213,7 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
     sum c log pi(y) through its own logp (module docstring, "Passes")."""
     batch, horizon = tokens.shape
     m = mask if mask.dtype == torch.bool else mask != 0
-    mf = m.to(dtype)
+    mf = as_float(m, dtype)
     flat = m.flatten().nonzero()[:, 0]
     y = tokens.flatten()[flat].long()
     kl_flat = torch.zeros(flat.numel(), dtype=dtype, device=tokens.device)
@@ -268,7 +268,7 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
     kl = scatter(kl_flat)
     lp = logp_ if given is None else given
     log_rho, k1 = log_rho_of(lp), (lp - ref_logp) * mf
-    eta = None if eos is None else termination_increments(eos, mf, dtype, options.discount)
+    eta = None if eos is None else termination_increments(eos, m, dtype, options.discount)
     if statistics is None:
         if task is not None:
             adv = task.advantages.detach().to(dtype)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .estimators import capped, reverse_cumsum
-from .reductions import KLStatistics, TaskAdvantages, control_variate, past_kl
+from .reductions import KLStatistics, TaskAdvantages, control_variate
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
 TARGET_NAMES = ("kl_seq", "partial_reverse", "partial_forward", "zero", "kl_seq_minus_partial_forward")
@@ -57,6 +57,15 @@ class Terms:
     #: gamma of the future-KL return (1: the exact sequence-level KL gradient; < 1: the biased dial, `Preset.discountable`)
     discount: float = 1.0
 
+    def with_changes(self, **changes) -> Terms:
+        """dataclasses.replace, keeping the cached `cv`, `past` and `prefix_weights` whose inputs it does not change
+        (kl_term adds the statistics to Terms whose cv the statistics have already read)."""
+        new = replace(self, **changes)
+        for name, inputs in _CACHED_INPUTS.items():
+            if name in self.__dict__ and not inputs & changes.keys():
+                new.__dict__[name] = self.__dict__[name]
+        return new
+
     def to_go(self, x: Tensor) -> Tensor:
         """sum_{s>=t} gamma^(s-t) x_s (estimators.reverse_cumsum with this batch's discount)."""
         return reverse_cumsum(x, self.discount)
@@ -76,8 +85,9 @@ class Terms:
 
     @cached_property
     def past(self) -> Tensor:
-        """Pi_t = sum_{s<t} k1_s, the prefix's KL (`reductions.past_kl`)."""
-        return past_kl(self.k1, self.mask)
+        """Pi_t = sum_{s<t} k1_s, the prefix's KL, at real tokens; at padding the KL of the real tokens before it, not 0
+        (`reductions.past_kl` is the masked one): read only by the presets' weights, which their callers mask."""
+        return self.k1.cumsum(-1) - self.k1
 
     @cached_property
     def prefix_weights(self) -> Tensor:
@@ -89,6 +99,10 @@ class Terms:
         if self.is_clip is not None:
             log_w = log_w.clamp(max=_log(self.is_clip))
         return torch.exp(capped(log_w)) * self.mask
+
+
+#: the Terms fields each cached property of Terms reads
+_CACHED_INPUTS = {"cv": {"k1", "mask"}, "past": {"k1"}, "prefix_weights": {"log_rho", "mask", "is_clip", "on_policy"}}
 
 
 def _log(x: float) -> float:
@@ -113,6 +127,7 @@ class Preset:
     unbiased_off_policy: bool
     legacy: bool
     theory_row: str
+    #: the weight c [B, T] at real tokens; at padding it may hold anything finite (every caller multiplies by the mask)
     coefficients: Callable[[Terms], Tensor]
     #: the weight reads Terms.statistics (leave-one-out over the batch's other rows: a batch estimator)
     uses_batch_statistics: bool = False
@@ -130,9 +145,15 @@ class Preset:
         return self.importance_weights != "none"
 
 
+def _weighted(t: Terms, x: Tensor) -> Tensor:
+    """w_{1:t} x_t at real tokens (zero at padding off-policy; on-policy every w is 1: x itself, whatever it holds at
+    padding)."""
+    return x if t.on_policy else t.prefix_weights * x
+
+
 def _sequence_plain(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} k1_s: pathwise reverse term w_{1:t} k1_t + detached per-decision future-KL return.
-    return t.to_go(t.prefix_weights * t.k1)
+    return t.to_go(_weighted(t, t.k1))
 
 
 def _reward_plain(t: Terms) -> Tensor:
@@ -141,30 +162,31 @@ def _reward_plain(t: Terms) -> Tensor:
 
 
 def _reductions(t: Terms) -> tuple[Tensor, Tensor]:
-    """The reductions' per-token pieces, zero at padding: the control variates' increments a xi_s + h eta_s and the
-    baseline lambda Pi_t - m_t (reductions.py)."""
+    """The reductions' per-token pieces: the control variates' increments a xi_s + h eta_s (zero at padding) and the
+    baseline's negative m_t - lambda Pi_t (reductions.py; not zero at padding, where the preset's weight is masked by
+    its callers)."""
     if t.statistics is None:
         raise ValueError("this preset needs batch statistics (kl_term computes them); got Terms without statistics")
     st = t.statistics
     cv = st.cv_coef[:, None] * t.cv
     if t.eta is not None:
-        cv = cv + st.eos_coef[:, None] * t.eta
-    return cv * t.mask, (st.past_coef[:, None] * t.past - st.baseline) * t.mask
+        cv = torch.addcmul(cv, st.eos_coef[:, None], t.eta)
+    return cv, torch.addcmul(st.baseline, st.past_coef[:, None], t.past, value=-1)
 
 
 def _sequence(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a xi_s + h eta_s) + w_{1:t} (lambda Pi_t - m_t): the plain
     # weight with the control variates and the baseline (reductions.py); same expectation, on- and off-policy.
-    cv, baseline = _reductions(t)
-    w = t.prefix_weights
-    return t.to_go(w * (t.k1 + cv)) + w * (baseline - cv)
+    # (On-policy the second term is not zero at padding: the weight's callers multiply it by the mask.)
+    cv, minus_baseline = _reductions(t)
+    return t.to_go(_weighted(t, t.k1 + cv)) - _weighted(t, cv + minus_baseline)
 
 
 def _reward(t: Terms) -> Tensor:
     # c_t = rho_t (sum_{s>=t} k1_s + sum_{s>t} (a xi_s + h eta_s) + lambda Pi_t - m_t): reward-plain with the same
     # reductions (exact on-policy).
-    cv, baseline = _reductions(t)
-    return t.token_ratio() * (t.to_go(t.k1 + cv) + baseline - cv)
+    cv, minus_baseline = _reductions(t)
+    return t.token_ratio() * (t.to_go(t.k1 + cv) - cv - minus_baseline)
 
 
 def _reward_sum(t: Terms) -> Tensor:

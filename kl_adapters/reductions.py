@@ -52,12 +52,13 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from .estimators import capped, reverse_cumsum
+from .estimators import as_float, capped, reverse_cumsum
 
 #: standard errors by which the other rows' sum of xi must fall below 0 to count as an unseen upper tail (`unseen_tail`)
 TAIL_Z = 2.0
@@ -161,19 +162,30 @@ def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
 
 
 def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype, discount: float = 1.0) -> Tensor:
-    """eta_t = nu_t (p_t - e_t) at real tokens, 0 at padding (module docstring): zero mean under pi given y_<t.
-    With a discount gamma (`discount`), nu_t = sum_{k=1}^{n_t} gamma^k (1 - p_t)^(k - 1) = gamma (1 - q^n_t) / (1 - q),
-    q = gamma (1 - p_t): the discounted count of the positions a stop gives up (n_t as q -> 1)."""
+    """eta_t = nu_t (p_t - e_t) at real tokens (mask: bool, or 0/1), 0 at padding (module docstring): zero mean under
+    pi given y_<t for any nu_t that is a function of y_<t. With a discount gamma (`discount`),
+    nu_t = sum_{k=1}^{n_t} gamma^k (1 - p_t)^(k - 1) = gamma (1 - q^n_t) / (1 - q), q = gamma (1 - p_t): the discounted
+    count of the positions a stop gives up. It is evaluated at p_t clamped to [tiny, 1 - eps] of the working dtype
+    (tiny, eps: its smallest normal number and machine epsilon), which gives the limits gamma n_t at p_t = 0 (gamma = 1)
+    and gamma (1 - (gamma eps)^n_t) / (1 - gamma eps), within eps of the exact value, at p_t = 1; p_t - e_t uses p_t
+    itself. tests/core/test_termination.py."""
     width = mask.shape[-1]
     horizon = width if eos.horizon is None else eos.horizon
-    p = torch.where(mask != 0, eos.prob.detach().to(dtype), 0.0).clamp(0.0, 1.0)
-    after = (horizon - 1 - torch.arange(width, dtype=dtype, device=mask.device)).clamp(min=0).expand_as(p)
-    q = discount * (1 - p)
-    near_one = q > 1 - 1e-12
-    nu = torch.where(near_one, discount * after,
-                     discount * -torch.expm1(after * torch.log(q.clamp(min=1e-300, max=1 - 1e-12))) / (1 - q).clamp(
-                         min=1e-12))
-    return nu * (p - eos.is_eos.to(dtype)) * mask
+    real = mask if mask.dtype == torch.bool else mask != 0
+    p = torch.where(real, eos.prob.detach().to(dtype), 0.0)  # in [0, 1] at real tokens (check_eos)
+    after = (horizon - 1 - torch.arange(width, dtype=dtype, device=mask.device)).clamp(min=0)
+    info = torch.finfo(dtype)
+    inside = p.clamp(info.tiny, 1 - info.eps)
+    log_q = torch.log1p(-inside)
+    gap = inside  # 1 - q
+    if discount != 1.0:
+        log_q = log_q + math.log(discount)
+        gap = (1 - discount) + discount * inside
+    # nu (p - e) = gamma (q^n - 1) / (1 - q) x (e - p)
+    minus_nu = torch.expm1(after * log_q).div_(gap)
+    if discount != 1.0:
+        minus_nu = minus_nu.mul_(discount)
+    return minus_nu.mul_(as_float(eos.is_eos & real, dtype) - p)
 
 
 def past_kl(k1: Tensor, mask: Tensor) -> Tensor:
@@ -193,11 +205,17 @@ def same_group(group: Tensor | None) -> Tensor | None:
     return dense
 
 
-def others_sum(x: Tensor, same: Tensor | None) -> Tensor:
-    """Sum over the other rows of the same group (dim 0): group sum minus the row's own value.
-    One group: column sums; several: sums per dense group id (memory O(x), no [B, B] matrix)."""
+def others_sum_(x: Tensor, same: Tensor | None) -> Tensor:
+    """Sum over the other rows of the same group (dim 0): group sum minus the row's own value, written over x (which
+    it returns; pass a temporary). One group: column sums, no second tensor of x's size; several: sums per dense group
+    id (memory O(x), no [B, B] matrix)."""
     totals = x.sum(0, keepdim=True) if same is None else torch.zeros_like(x).index_add_(0, same, x)[same]
-    return totals - x
+    return x.neg_().add_(totals)
+
+
+def _dot(x: Tensor, y: Tensor) -> Tensor:
+    """[B] sum_t x_{b,t} y_{b,t} without a [B, T] product."""
+    return torch.bmm(x[:, None], y[:, :, None])[:, 0, 0]
 
 
 def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None, discount: float = 1.0) -> Tensor:
@@ -245,7 +263,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
     Z = a~_b Q - kappa_b H; task: the trainer's advantages ([B, T], zero at padding; None: no task term), alpha =
-    A / beta in KL units; omega [B, T] the score weights; mask [B, T] 0/1 in the working dtype; same: dense group ids or
+    A / beta in KL units; omega [B, T] the score weights (zero at padding); mask [B, T] 0/1 in the working dtype; same: dense group ids or
     None. Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
     weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
@@ -256,27 +274,30 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     with tokens, 3 / 11 for two other rows of 3 tokens, > 0.99 from ~800 tokens beyond the per-position means.
     """
     out_dtype, dtype = mask.dtype, torch.float64
-    mask, omega = mask.to(dtype), omega.to(dtype)
-    batch = mask.shape[0]
-    alpha = None if task is None else task.advantages.to(dtype)
-    scale, mu = _task_scale(task, alpha, mask, same)
+    batch, width = mask.shape
+    alpha = None if task is None else task.advantages
     # the channels present in this batch: P, the task, then the fit's features (absent ones are left out, not zeros)
     channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
                 "resample": r.resample, "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
-    # one [B, 2 + k, T] buffer of (omega, mask, omega x channels), written in place (no stack + cat copies of it)
-    per_token = torch.empty(batch, 2 + len(names), mask.shape[1], dtype=dtype, device=mask.device)
-    om = torch.mul(omega, mask, out=per_token[:, 0])
-    per_token[:, 1] = mask
-    feats = torch.empty_like(per_token[:, 2:])  # [B, k, T], zero at padding
+    # one [B, 2 + k, T] float64 buffer of (omega, mask, omega x channels) and one [B, k, T] of the channels, written in
+    # place (each input cast once, on its copy)
+    per_token = torch.empty(batch, 2 + len(names), width, dtype=dtype, device=mask.device)
+    feats = torch.empty(batch, len(names), width, dtype=dtype, device=mask.device)  # zero at padding
+    om = per_token[:, 0].copy_(omega)
+    per_token[:, 1].copy_(mask)
     for i, n in enumerate(names):
-        feats[:, i] = channels[n]
+        feats[:, i].copy_(channels[n])
     weighted = torch.mul(om[:, None], feats, out=per_token[:, 2:])
-    sums = others_sum(per_token, same)
+    gram = others_sum_(torch.bmm(weighted, feats.transpose(1, 2)), same)
+    alpha = None if alpha is None else feats[:, names.index("task")]
+    scale, mu = _task_scale(task, alpha, mask, same)
+    sums = others_sum_(per_token, same)  # per_token now holds the other rows' per-position sums
     weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]
-    gram = others_sum(torch.bmm(weighted, feats.transpose(1, 2)), same)
-    inv_w = torch.where(weight > 0, weight.clamp(min=torch.finfo(dtype).tiny).reciprocal(), 0.0)
-    centred = gram - torch.bmm(s_f * inv_w[:, None], s_f.transpose(1, 2))  # per-position centred, summed over t
+    inv_w = torch.where(weight > 0, weight.reciprocal(), 0.0)
+    root = inv_w.sqrt()
+    s_f.mul_(root[:, None])  # s_f / sqrt(W_t), so that sum_t s_f s_f^T / W_t is one bmm
+    centred = gram - torch.bmm(s_f, s_f.transpose(1, 2))  # per-position centred, summed over t
     # y = P - scale (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
     features = [n for n in ("xi", "eos", "resample", "past") if n in names]
     lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
@@ -288,11 +309,13 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
         lin[:, row, names.index(n)] = factor[n]
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
-    theta = _joint_fit(moments, raw, count.sum(-1))
+    tokens = count.sum(-1)
+    dof = tokens - (count > 0).sum(-1)  # sum_t max(n_{b,t} - 1, 0): the counts are whole numbers
+    theta = _joint_fit(moments, raw, tokens)
     coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu)
-    mean = (torch.bmm(coef[:, None], s_f)[:, 0] + (scale * mu)[:, None] * weight) * inv_w
+    mean = torch.bmm(coef[:, None], s_f)[:, 0].mul_(root).add_((weight * inv_w).mul_((scale * mu)[:, None]))
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
-    baseline = _james_stein(mean, var_z, weight, count)
+    baseline = _james_stein(mean, var_z, weight, count, tokens, dof)
     fitted = dict(zip(features, theta.unbind(-1)))
     zero = torch.zeros(batch, dtype=dtype, device=mask.device)
     cv_coef = fitted["resample"] if "resample" in fitted else fitted.get("xi", zero) * cv_scale.to(dtype)
@@ -305,10 +328,10 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     # overflow: its statistics are then 0, the plain form, and the baseline is held within +-(working dtype max)^(1/4)
     # so that the row's own capped w_{1:t} times it stays finite
     # (tests/trl/test_faults.py::test_overflowing_importance_weights_stay_finite); all functions of the other rows
-    shrink = fit_shrinkage(count)
+    shrink = _shrinkage(dof)
     bound = torch.finfo(out_dtype).max ** 0.25
-    return KLStatistics(*(torch.where(torch.isfinite(x), x * (shrink if x.dim() == 1 else shrink[:, None]), 0.0)
-                          .clamp(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
+    return KLStatistics(*((x * (shrink if x.dim() == 1 else shrink[:, None])).nan_to_num_(0.0, 0.0, 0.0)
+                          .clamp_(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
 
 
 def fit_shrinkage(count: Tensor) -> Tensor:
@@ -317,7 +340,11 @@ def fit_shrinkage(count: Tensor) -> Tensor:
     Adding f x (a fitted reduction) changes the variance by 2 f Cov + f^2 Var: with few tokens the fit's own noise
     (Var) outweighs what it removes, and a small f keeps the first-order gain
     (bench/results/audit_V3_T3_task_fallback.txt, docs/variance.md)."""
-    dof = (count - 1).clamp(min=0).sum(-1)
+    return _shrinkage((count - 1).clamp(min=0).sum(-1))
+
+
+def _shrinkage(dof: Tensor) -> Tensor:
+    """`fit_shrinkage` from dof [B]."""
     return torch.where(dof > 0, dof / (dof + FIT_PRIOR_DOF), 0.0)
 
 
@@ -327,19 +354,20 @@ def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Te
     mean over the other rows' tokens (a shift common to the group cancels exactly); scale_b = 1 / beta_b, or with
     `normalized` 1 / (beta_b x their standard deviation) (a scale common to the group cancels too: unit-scale
     advantages). A variance at rounding level (equal advantages) would carry the row's own rounding: scale 0 there.
-    (1, 0) without a task."""
-    ones = torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
+    (1, 0) without a task. In float64 (advantages: float64, zero at padding; mask: 0/1 in any floating dtype)."""
+    ones = torch.ones(mask.shape[0], dtype=torch.float64, device=mask.device)
     if task is None:
         return ones, torch.zeros_like(ones)
-    beta = torch.as_tensor(task.beta, dtype=mask.dtype, device=mask.device).expand_as(ones)
-    tot = others_sum(torch.stack((advantages.sum(-1), advantages.square().sum(-1), mask.sum(-1)), 1), same)
+    beta = torch.as_tensor(task.beta, dtype=torch.float64, device=mask.device).expand_as(ones)
+    tot = others_sum_(torch.stack((advantages.sum(-1), torch.linalg.vector_norm(advantages, dim=-1).square(),
+                                   mask.sum(-1).to(torch.float64)), 1), same)
     tokens = tot[:, 2].clamp(min=1.0)
     mu = tot[:, 0] / tokens
     if not task.normalized:
         return beta.reciprocal(), mu
     mean_sq = tot[:, 1] / tokens
     var = (mean_sq - mu.square()).clamp(min=0.0)
-    tiny = torch.finfo(mask.dtype).tiny
+    tiny = torch.finfo(torch.float64).tiny
     return torch.where(var > VARIANCE_FLOOR * mean_sq, (beta * var.sqrt()).clamp(min=tiny).reciprocal(), 0.0), mu
 
 
@@ -353,28 +381,29 @@ def _joint_fit(moments: Tensor, raw: Tensor, tokens: Tensor) -> Tensor:
     diag = torch.diagonal(xx, dim1=-2, dim2=-1)
     floor = VARIANCE_FLOOR * raw + torch.finfo(xx.dtype).tiny
     ridge = diag * JOINT_PRIOR_TOKENS / tokens.clamp(min=1.0)[:, None] + floor
-    theta = -torch.linalg.solve(xx + torch.diag_embed(ridge), xy[..., None])[..., 0]
+    theta = -torch.linalg.solve_ex(xx + torch.diag_embed(ridge), xy[..., None]).result[..., 0]  # no host sync
     return torch.where(diag > floor, torch.nan_to_num(theta, nan=0.0), 0.0).clamp(0.0, 1.0)
 
 
-def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor) -> Tensor:
+def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor, tokens: Tensor, dof: Tensor) -> Tensor:
     """lambda_b m_{b,t}: the per-position means shrunk by max(0, 1 - sum_t V_b / n_{b,t} / sum_t m_{b,t}^2), V_b the
-    per-token variance pooled over positions (var_sum / total weight, corrected to count - 1 degrees of freedom)."""
-    dof = (count - 1).clamp(min=0).sum(-1)
+    per-token variance pooled over positions (var_sum / total weight, corrected to count - 1 degrees of freedom).
+    tokens [B] = sum_t n_{b,t}, dof [B] = sum_t max(n_{b,t} - 1, 0)."""
     total = weight.sum(-1)
     per_token = torch.where(dof > 0, var_sum.clamp(min=0.0) / total.clamp(min=torch.finfo(mean.dtype).tiny)
-                            * count.sum(-1) / dof.clamp(min=1), 0.0)  # (a rounding-level negative sum: 0)
-    noise = per_token * torch.where(count > 0, count.clamp(min=1).reciprocal(), 0.0).sum(-1)
-    signal = mean.square().sum(-1)
+                            * tokens / dof.clamp(min=1), 0.0)  # (a rounding-level negative sum: 0)
+    noise = per_token * torch.where(count > 0, count.reciprocal(), 0.0).sum(-1)
+    signal = torch.linalg.vector_norm(mean, dim=-1).square()
     shrink = torch.where((signal > 0) & (dof > 0), 1 - noise / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
-    return shrink.clamp(min=0.0)[:, None] * mean
+    return mean.mul_(shrink.clamp(min=0.0)[:, None])
 
 
 def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> tuple[Tensor, Tensor]:
     """(a~_b, kappa_b) [B] from the other rows' tokens: the regression of k1 on xi, guarded against xi's unseen upper
-    tail (`unseen_tail`), and the mean k1 per token. Sums in float64 (leave-one-out: totals minus the row's own)."""
-    x = torch.stack((k1 * cv, cv.square(), k1, mask, cv), 1).sum(-1, dtype=torch.float64)
-    o = others_sum(x, same)
+    tail (`unseen_tail`), and the mean k1 per token. Each row's sums in the working dtype (functions of the row alone),
+    their leave-one-out combination (totals minus the row's own) in float64."""
+    x = torch.stack((_dot(k1, cv), _dot(cv, cv), k1.sum(-1), mask.sum(-1), cv.sum(-1)), 1).to(torch.float64)
+    o = others_sum_(x, same)
     missing = unseen_tail(o[:, 4], o[:, 1])
     a = _regression(-o[:, 0] + missing * torch.log1p(missing), o[:, 1] + missing.square(), o[:, 3])
     kappa = torch.where(o[:, 3] > 0, o[:, 2] / o[:, 3].clamp(min=1.0), 0.0)
@@ -395,7 +424,7 @@ def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
 
 def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
     """omega_t = (1 - pi(y_t))^2 at real tokens: the squared norm of the logit score e_y - pi, less sum_{v != y} pi_v^2."""
-    return torch.square(-torch.expm1(logp)) * mask
+    return torch.expm1(logp).square_() * mask
 
 
 def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: Tensor, log_rho: Tensor | None,

@@ -22,14 +22,14 @@ to the loss: more independent samples, the same expected gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_is_clip,
-                        check_statistics, check_statistics_options, check_task, eos_rule)
-from .estimators import reverse_cumsum, working_dtype
+from ._validate import (check_beta, check_discount, check_eos, check_group, check_is_clip,
+                        check_statistics, check_statistics_options, check_task, checked_batch, eos_rule)
+from .estimators import as_float, reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
 from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, sampled_token_statistics,
                          termination_increments)
@@ -47,25 +47,34 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     for value, check in ((statistics, check_statistics), (task, check_task), (eos, check_eos)):
         if value is not None:
             finite.update(check(value, logp))
-    m = check_batch(logp, ref_logp, mask, old_logp, also_finite=finite, also_false=eos_rule(statistics, eos))
+    m, finite_everywhere = checked_batch(logp, ref_logp, mask, old_logp, also_finite=finite,
+                                         also_false=eos_rule(statistics, eos))
     check_is_clip(is_clip)
     if is_clip is not None and old_logp is None:
         raise ValueError("is_clip caps importance weights, which only exist off-policy: pass old_logp or drop is_clip")
     dtype = working_dtype(logp, ref_logp, old_logp)
+    mf = as_float(m, dtype)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
-    lp = torch.where(m, logp.to(dtype), zero)
+
+    def masked(x: Tensor) -> Tensor:
+        """x in the working dtype with its padding zeroed: it may hold anything there, NaN too, unless checked finite
+        (and not narrowed to the working dtype, where a finite value could overflow)."""
+        if finite_everywhere and x.dtype.itemsize <= dtype.itemsize:
+            return x.to(dtype) * mf
+        return torch.where(m, x.to(dtype), zero)
+
+    lp = masked(logp)
     lp_d = lp.detach()
-    k1 = lp_d - torch.where(m, ref_logp.detach().to(dtype), zero)
-    log_rho = zero.expand_as(lp) if old_logp is None else lp_d - torch.where(m, old_logp.detach().to(dtype), zero)
-    mf = m.to(dtype)
-    stats = None if statistics is None else KLStatistics(  # padding of a given baseline may hold anything, NaN too
+    k1 = lp_d - masked(ref_logp.detach())
+    log_rho = zero.expand_as(lp) if old_logp is None else lp_d - masked(old_logp.detach())
+    stats = None if statistics is None else KLStatistics(
         *(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef, statistics.past_coef)),
-        torch.where(m, statistics.baseline.detach().to(dtype), zero))
+        masked(statistics.baseline.detach()))
     if task is not None:
-        advantages = task.advantages.detach().to(dtype)
-        advantages = torch.where(m, advantages if advantages.dim() == 2 else advantages[:, None], zero)
-        task = TaskAdvantages(advantages, task.beta, task.normalized)
-    eta = None if eos is None else termination_increments(eos, mf, dtype, discount)
+        advantages = task.advantages.detach()
+        task = TaskAdvantages(masked(advantages if advantages.dim() == 2 else advantages[:, None]), task.beta,
+                              task.normalized)
+    eta = None if eos is None else termination_increments(eos, m, dtype, discount)
     return lp, Terms(k1=k1, log_rho=log_rho, mask=mf, is_clip=is_clip, statistics=stats, on_policy=old_logp is None,
                      logp=lp_d, eta=eta, task=task, discount=discount)
 
@@ -137,10 +146,10 @@ class KLTerm:
         spec = get_preset(preset)
         terms = self.terms
         if spec.uses_batch_statistics and terms.statistics is None:
-            terms = replace(terms, statistics=_statistics_of(terms, None, spec))
+            terms = terms.with_changes(statistics=_statistics_of(terms, None, spec))
         if on_policy:
-            terms = replace(terms, log_rho=torch.zeros_like(terms.log_rho), on_policy=True)
-        terms = replace(terms, is_clip=None, discount=1.0)
+            terms = terms.with_changes(log_rho=torch.zeros_like(terms.log_rho), on_policy=True)
+        terms = terms.with_changes(is_clip=None, discount=1.0)
         return spec.coefficients(terms) * terms.mask
 
 
@@ -179,7 +188,7 @@ def kl_term(
     lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics, task, eos, discount)
     if spec.uses_batch_statistics and statistics is None:
         check_group(group, logp)
-        t = replace(t, statistics=_statistics_of(t, group, spec))
+        t = t.with_changes(statistics=_statistics_of(t, group, spec))
     return KLTerm(logp=lp, terms=t, coefficients=spec.coefficients(t) * t.mask, sequence_kl=_value_per_sequence(t),
                   is_ess=_is_ess(t))
 

@@ -105,3 +105,34 @@ def test_per_sequence_beta_reproduces_a_token_mean_kl_loss():
     ours = kl_surrogate(lp, ref, m, preset="k3-loss", beta=float(per_sequence_beta(0.2, m, "token-mean")))
     g_ours = torch.autograd.grad(ours, lp)[0]
     assert torch.allclose(g_native, g_ours, atol=1e-7)
+
+
+def test_padding_garbage_gives_what_zero_padding_gives():
+    """Validation reads min / max over all tokens and masks by multiplication when everything is finite; garbage in the
+    padding (nan, inf, pi(EOS) outside [0, 1]) takes the exact path at real tokens and torch.where: the same weights."""
+    from kl_adapters import EndOfSequence, TaskAdvantages, kl_statistics, kl_term
+
+    gen = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 5, generator=gen)
+    ref, old = lp + 0.1 * torch.randn(4, 5, generator=gen), lp + 0.05 * torch.randn(4, 5, generator=gen)
+    m = torch.ones(4, 5, dtype=torch.bool)
+    m[1, 3:] = m[2, 4] = False
+    prob, is_eos = 0.2 * torch.rand(4, 5, generator=gen), torch.zeros(4, 5, dtype=torch.bool)
+    adv = torch.randn(4, 5, generator=gen)
+
+    def run(fill):
+        def padded(x, value):
+            return torch.where(m, x, torch.full_like(x, value)) if fill else torch.where(m, x, torch.zeros_like(x))
+
+        task = TaskAdvantages(padded(adv, float("inf")), 0.1)
+        eos = EndOfSequence(padded(prob, 3.0), is_eos)
+        args = (padded(lp, float("nan")), padded(ref, -math.inf), m)
+        stats = kl_statistics(*args, old_logp=padded(old, float("nan")), task=task, eos=eos)
+        stats = type(stats)(stats.cv_coef, stats.eos_coef, stats.past_coef, padded(stats.baseline, float("nan")))
+        own = kl_term(*args, old_logp=padded(old, float("nan")), task=task, eos=eos).coefficients
+        given = kl_term(*args, old_logp=padded(old, float("nan")), statistics=stats, eos=eos).coefficients
+        return own, given
+
+    for clean, dirty in zip(run(False), run(True)):
+        assert torch.isfinite(dirty).all()
+        assert torch.equal(clean, dirty)

@@ -9,7 +9,7 @@ epochs or async rollouts; on-policy: no old_logp, as in TRL's default num_iterat
                                     still applies the own rows' termination control variate)
 All configurations of one shape alternate call by call (ABBA); medians and the ratio to the plain preset are reported.
 No framework is involved (framework-level overheads: bench/*_overhead.py).
-Usage: .venvs/core/bin/python bench/kl_term_cost.py [--repeats 60] [--device cpu|cuda] [--note TEXT]
+Usage: .venvs/core/bin/python bench/kl_term_cost.py [--repeats 60] [--device cpu|cuda] [--note TEXT] [--name NAME]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--note", default="", help="measurement conditions (e.g. other work running)")
+    parser.add_argument("--name", default=None, help="result file name under bench/results (default kl_term_cost_<device>)")
     args = parser.parse_args()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
     if sync is None:
@@ -82,7 +83,7 @@ def main() -> int:
         for k, v in row.items():
             if k != "median_ms":
                 print(f"    {k}: ratio of medians {v['ratio']:.2f}, median paired ratio {v['median_paired_ratio']:.2f}")
-    path = write_result(f"kl_term_cost_{args.device.split(':')[0]}",
+    path = write_result(args.name or f"kl_term_cost_{args.device.split(':')[0]}",
                         {"device": args.device, "repeats": args.repeats, "note": args.note, "results": results})
     print(f"wrote {path}")
     return 0

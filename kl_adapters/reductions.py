@@ -41,7 +41,8 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
      squares, clamped to [0, 1]: each rho scales a KL-optimal control variate down to what the task leaves
      uncancelled); omega = (1 - pi(y_t))^2 is the squared norm of the token's logit score e_y - pi without the rest of
      the distribution (the gradient's variance weighs each token's weight by it). a_b = rho_xi a~_b,
-     h_b = -rho_eos kappa_b.
+     h_b = -rho_eos kappa_b. The unseen tail M of step 1 enters here too, as the variance one token with xi = M would
+     add to a~ Q (`UnseenTail`, `_add_unseen_tail`).
   3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + (the fitted terms), shrunk toward 0 by a
      positive-part James-Stein factor (a mean of few returns adds its own noise).
   4. Every statistic of row b is multiplied by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows'
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -258,7 +260,7 @@ class Returns:
 
 
 def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdvantages | None, omega: Tensor,
-                     mask: Tensor, same: Tensor | None) -> KLStatistics:
+                     mask: Tensor, same: Tensor | None, tail: UnseenTail | None = None) -> KLStatistics:
     """Leave-one-out statistics of every row (module docstring, steps 2 and 3) from the batch's `Returns`.
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
@@ -309,6 +311,8 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
         lin[:, row, names.index(n)] = factor[n]
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
+    if tail is not None and "xi" in features:
+        _add_unseen_tail(moments, raw, 1 + features.index("xi"), cv_scale.to(dtype), tail)
     tokens = count.sum(-1)
     dof = tokens - (count > 0).sum(-1)  # sum_t max(n_{b,t} - 1, 0): the counts are whole numbers
     theta = _joint_fit(moments, raw, tokens)
@@ -332,6 +336,20 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     bound = torch.finfo(out_dtype).max ** 0.25
     return KLStatistics(*((x * (shrink if x.dim() == 1 else shrink[:, None])).nan_to_num_(0.0, 0.0, 0.0)
                           .clamp_(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
+
+
+def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, tail: UnseenTail) -> None:
+    """Count xi's unseen tail in the joint fit's moments (in place), as `token_coefficients` counts it in a~: one more
+    token with xi = M at a random position s of the other rows adds a~ M to the feature a~ Q_t for each t < s of its
+    row, so reach x (a~ M)^2 to the feature's variance. Its covariance with y (the preset's return less the task) is
+    unknown and counted as none: near the regularized optimum the task cancels the KL of such a completion (r / beta -
+    sum_t k1_t = log Z for every y), which is where the control variate costs variance (`bench/reduction_components.py`,
+    docs/variance.md). The other rows' sample of xi lacks exactly the rare large values that make the control variate
+    expensive for the row that draws one; counted in, they pull rho_xi toward 0. A function of the other rows: the
+    gradient stays exact (tests/core/test_batch_exactness.py)."""
+    feature = cv_scale * tail.mass
+    moments[:, row, row] += tail.reach * feature.square()
+    raw[:, row - 1] += tail.reach * feature.square()
 
 
 def fit_shrinkage(count: Tensor) -> Tensor:
@@ -398,16 +416,24 @@ def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor, t
     return mean.mul_(shrink.clamp(min=0.0)[:, None])
 
 
-def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(a~_b, kappa_b) [B] from the other rows' tokens: the regression of k1 on xi, guarded against xi's unseen upper
-    tail (`unseen_tail`), and the mean k1 per token. Each row's sums in the working dtype (functions of the row alone),
-    their leave-one-out combination (totals minus the row's own) in float64."""
+class TokenCoefficients(NamedTuple):
+    """`token_coefficients` of each row [B], functions of the other rows."""
+
+    cv_scale: Tensor  # a~_b, the regression of k1 on xi (with the unseen tail counted in)
+    kappa: Tensor  # kappa_b, the mean k1 per token
+    tail: Tensor  # M_b, the mass of xi's upper tail the other rows did not draw (`unseen_tail`), float64
+
+
+def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None) -> TokenCoefficients:
+    """(a~_b, kappa_b, M_b) from the other rows' tokens: the regression of k1 on xi, guarded against xi's unseen upper
+    tail M (`unseen_tail`), the mean k1 per token, and M. Each row's sums in the working dtype (functions of the row
+    alone), their leave-one-out combination (totals minus the row's own) in float64."""
     x = torch.stack((_dot(k1, cv), _dot(cv, cv), k1.sum(-1), mask.sum(-1), cv.sum(-1)), 1).to(torch.float64)
     o = others_sum_(x, same)
     missing = unseen_tail(o[:, 4], o[:, 1])
     a = _regression(-o[:, 0] + missing * torch.log1p(missing), o[:, 1] + missing.square(), o[:, 3])
     kappa = torch.where(o[:, 3] > 0, o[:, 2] / o[:, 3].clamp(min=1.0), 0.0)
-    return a.to(k1.dtype), kappa.to(k1.dtype)
+    return TokenCoefficients(a.to(k1.dtype), kappa.to(k1.dtype), missing)
 
 
 def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
@@ -420,6 +446,27 @@ def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
     long-horizon problem near pi*, `bench/reduction_components.py`; docs/variance.md). A function of the other rows:
     the gradient stays exact (tests/core/test_batch_exactness.py)."""
     return (-sum_xi - TAIL_Z * sum_xi_sq.clamp(min=0.0).sqrt()).clamp(min=0.0)
+
+
+class UnseenTail(NamedTuple):
+    """xi's upper tail that the other rows of row b did not draw, for the joint fit (`batch_statistics`), [B] float64.
+
+    mass   M_b (`unseen_tail`): counted as one more token with xi = M and k1 = -log(1 + M), as in a~_b
+    reach  the omega-weighted number of positions whose future return Q_t such a token would enter: sum_{t<s} omega_t
+           for a token at a random real position s of the other rows (`tail_reach`)
+    """
+
+    mass: Tensor
+    reach: Tensor
+
+
+def tail_reach(omega: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
+    """[B] sum_{b' != b} sum_t omega_{b',t} L_{b',t} / sum_{b' != b} n_{b'}, with L_{b',t} the real tokens after t in
+    row b' and n_{b'} the row's real tokens: the mean over the other rows' real tokens s of sum_{t<s} omega_t (the
+    weight of the positions before s in its row). Float64, a function of the other rows."""
+    later = reverse_cumsum(mask) - mask
+    sums = others_sum_(torch.stack((_dot(omega, later), mask.sum(-1)), 1).to(torch.float64), same)
+    return sums[:, 0] / sums[:, 1].clamp(min=1.0)
 
 
 def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
@@ -438,5 +485,7 @@ def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: T
     ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
     returns = Returns(ret=ret[:, 0], cv=ret[:, 1] - cv, past=past_kl(k1, mask),
                       eos=None if eta is None else ret[:, 2] - eta)
-    cv_scale, kappa = token_coefficients(k1, cv, mask, same)
-    return batch_statistics(returns, cv_scale, kappa, task, score_weight(logp, mask), mask, same)
+    coefficients = token_coefficients(k1, cv, mask, same)
+    omega = score_weight(logp, mask)
+    return batch_statistics(returns, coefficients.cv_scale, coefficients.kappa, task, omega, mask, same,
+                            UnseenTail(coefficients.tail, tail_reach(omega, mask, same)))

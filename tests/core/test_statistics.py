@@ -7,6 +7,7 @@ and through the expectation in tests/core/test_batch_exactness.py.
 
 import pytest
 import torch
+from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,13 +167,13 @@ def test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero():
     assert reductions.TAIL_Z == 2.0
     k1 = torch.full((4, 25), math.log(0.99 / 0.5), dtype=torch.float64)
     mask = torch.ones_like(k1)
-    unseen, _ = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None)
+    unseen = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None).cv_scale
     xi, n = 0.5 / 0.99 - 1, 75
     tail = -n * xi - 2.0 * math.sqrt(n * xi * xi)
     guarded = (-n * k1[0, 0].item() * xi + tail * math.log1p(tail)) / (n * xi * xi + tail * tail) * n / (n + 4.0)
     assert torch.allclose(unseen, torch.full((4,), guarded, dtype=torch.float64)) and guarded < 0.2
     k1[0, 0] = -math.log(0.5 / 0.01)  # row 0 draws the suppressed token once: xi = 49
-    drawn, _ = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None)
+    drawn = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None).cv_scale
     assert torch.isclose(drawn[0], unseen[0], rtol=1e-12)  # row 0's own tail is not in its fit (leave-one-out)
     assert drawn[1] < unseen[0] < 2 * drawn[1]  # the guess 0.139 against 0.085 from a fit that drew the tail
     for row in (1, 2, 3):
@@ -180,6 +181,40 @@ def test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero():
         x = torch.expm1(-rest)
         assert reductions.unseen_tail(x.sum(), x.square().sum()) == 0
         assert torch.isclose(drawn[row], -(rest * x).sum() / x.square().sum() * 75 / 79)
+
+
+def test_the_unseen_tail_enters_the_joint_fit_as_variance_of_the_control_variate():
+    """The joint fit counts the unseen tail M as reach x (a~ M)^2 more variance of a~ Q (`_add_unseen_tail`), with no
+    covariance with the trainer's return: rho_xi, so cv_coef, falls as M grows, and without a tail (M = 0) nothing
+    changes. reach = the mean over the other rows' tokens s of the omega-weight before s in its row."""
+    from kl_adapters import reductions
+
+    gen = torch.Generator().manual_seed(3)
+    logp = -0.3 * torch.rand(6, 10, generator=gen, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(6, 10, generator=gen, dtype=torch.float64)
+    mask = torch.ones(6, 10, dtype=torch.float64)
+    mask[2, 7:] = 0
+    k1 = (logp - ref) * mask
+    cv = reductions.control_variate(k1, mask)
+    returns = reductions.Returns(ret=reductions.relative_returns(k1[:, None], mask, None)[:, 0],
+                                 cv=reductions.relative_returns(cv[:, None], mask, None)[:, 0] - cv,
+                                 past=reductions.past_kl(k1, mask))
+    omega = reductions.score_weight(logp * mask, mask)
+    scale, kappa = torch.full((6,), 0.8, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+
+    def cv_coef(mass: float) -> Tensor:
+        tail = reductions.UnseenTail(torch.full((6,), mass, dtype=torch.float64), reductions.tail_reach(omega, mask, None))
+        return reductions.batch_statistics(returns, scale, kappa, None, omega, mask, None, tail).cv_coef
+
+    untailed = reductions.batch_statistics(returns, scale, kappa, None, omega, mask, None).cv_coef
+    assert torch.equal(cv_coef(0.0), untailed) and (untailed > 0.1).all()
+    assert (cv_coef(1.0) < untailed).all() and (cv_coef(10.0) < cv_coef(1.0)).all()
+    later = torch.tensor([float(sum(mask[b, t + 1:])) for b in range(6) for t in range(10)], dtype=torch.float64)
+    reach = reductions.tail_reach(omega, mask, None)
+    for b in range(6):
+        others = [r for r in range(6) if r != b]
+        want = sum(float((omega[r] * later.view(6, 10)[r]).sum()) for r in others) / float(mask[others].sum())
+        assert reach[b].item() == pytest.approx(want, rel=1e-12)
 
 
 def test_statistics_are_detached_and_in_the_working_dtype():

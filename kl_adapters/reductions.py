@@ -42,7 +42,7 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
      uncancelled); omega = (1 - pi(y_t))^2 is the squared norm of the token's logit score e_y - pi without the rest of
      the distribution (the gradient's variance weighs each token's weight by it). a_b = rho_xi a~_b,
      h_b = -rho_eos kappa_b. The unseen tail M of step 1 enters here too, as the variance one token with xi = M would
-     add to a~ Q (`UnseenTail`, `_add_unseen_tail`).
+     add to a~ Q, and without a task its covariance with the KL return (`UnseenTail`, `_add_unseen_tail`).
   3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + (the fitted terms), shrunk toward 0 by a
      positive-part James-Stein factor (a mean of few returns adds its own noise).
   4. Every statistic of row b is multiplied by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows'
@@ -312,7 +312,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
     if tail is not None and "xi" in features:
-        _add_unseen_tail(moments, raw, 1 + features.index("xi"), cv_scale.to(dtype), tail)
+        _add_unseen_tail(moments, raw, 1 + features.index("xi"), cv_scale.to(dtype), tail, alpha is not None)
     tokens = count.sum(-1)
     dof = tokens - (count > 0).sum(-1)  # sum_t max(n_{b,t} - 1, 0): the counts are whole numbers
     theta = _joint_fit(moments, raw, tokens)
@@ -338,18 +338,25 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
                           .clamp_(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
 
 
-def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, tail: UnseenTail) -> None:
+def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, tail: UnseenTail, task: bool) -> None:
     """Count xi's unseen tail in the joint fit's moments (in place), as `token_coefficients` counts it in a~: one more
-    token with xi = M at a random position s of the other rows adds a~ M to the feature a~ Q_t for each t < s of its
-    row, so reach x (a~ M)^2 to the feature's variance. Its covariance with y (the preset's return less the task) is
-    unknown and counted as none: near the regularized optimum the task cancels the KL of such a completion (r / beta -
-    sum_t k1_t = log Z for every y), which is where the control variate costs variance (`bench/reduction_components.py`,
+    token with xi = M and k1 = -log(1 + M) at a random position s of the other rows adds a~ M to the feature a~ Q_t
+    for each t < s of its row, so reach x (a~ M)^2 to the feature's variance. Without a task term y is the KL return,
+    to which the token adds its k1: reach x a~ M (-log(1 + M)) to the covariance and reach x log(1 + M)^2 to y's
+    variance (the regression a~ already makes). With one (`task`), the tail's covariance with y is unknown and counted
+    as none: near the regularized optimum the task cancels the KL of such a completion (r / beta - sum_t k1_t = log Z
+    for every y), which is where the control variate costs variance (`bench/reduction_components.py`,
     docs/variance.md). The other rows' sample of xi lacks exactly the rare large values that make the control variate
-    expensive for the row that draws one; counted in, they pull rho_xi toward 0. A function of the other rows: the
-    gradient stays exact (tests/core/test_batch_exactness.py)."""
+    expensive for the row that draws one; counted in, they pull rho_xi toward log(1 + M) / (a~ M) without a task and
+    toward 0 with one. A function of the other rows: the gradient stays exact (tests/core/test_batch_exactness.py)."""
     feature = cv_scale * tail.mass
     moments[:, row, row] += tail.reach * feature.square()
     raw[:, row - 1] += tail.reach * feature.square()
+    if not task:
+        k1 = -torch.log1p(tail.mass)
+        moments[:, 0, row] += tail.reach * feature * k1
+        moments[:, row, 0] += tail.reach * feature * k1
+        moments[:, 0, 0] += tail.reach * k1.square()
 
 
 def fit_shrinkage(count: Tensor) -> Tensor:

@@ -185,8 +185,9 @@ def test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero():
 
 def test_the_unseen_tail_enters_the_joint_fit_as_variance_of_the_control_variate():
     """The joint fit counts the unseen tail M as reach x (a~ M)^2 more variance of a~ Q (`_add_unseen_tail`), with no
-    covariance with the trainer's return: rho_xi, so cv_coef, falls as M grows, and without a tail (M = 0) nothing
-    changes. reach = the mean over the other rows' tokens s of the omega-weight before s in its row."""
+    covariance with the trainer's return when there is a task: rho_xi, so cv_coef, falls as M grows; without a task
+    the tail's k1 = -log(1 + M) keeps rho_xi near log(1 + M) / (a~ M), so it falls less; without a tail (M = 0)
+    nothing changes. reach = the mean over the other rows' tokens s of the omega-weight before s in its row."""
     from kl_adapters import reductions
 
     gen = torch.Generator().manual_seed(3)
@@ -202,13 +203,17 @@ def test_the_unseen_tail_enters_the_joint_fit_as_variance_of_the_control_variate
     omega = reductions.score_weight(logp * mask, mask)
     scale, kappa = torch.full((6,), 0.8, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
 
-    def cv_coef(mass: float) -> Tensor:
-        tail = reductions.UnseenTail(torch.full((6,), mass, dtype=torch.float64), reductions.tail_reach(omega, mask, None))
-        return reductions.batch_statistics(returns, scale, kappa, None, omega, mask, None, tail).cv_coef
+    task = reductions.TaskAdvantages(torch.randn(6, 1, generator=gen, dtype=torch.float64).expand(6, 10) * mask, 100.0)
 
-    untailed = reductions.batch_statistics(returns, scale, kappa, None, omega, mask, None).cv_coef
-    assert torch.equal(cv_coef(0.0), untailed) and (untailed > 0.1).all()
-    assert (cv_coef(1.0) < untailed).all() and (cv_coef(10.0) < cv_coef(1.0)).all()
+    def cv_coef(mass: float, task=None) -> Tensor:
+        tail = reductions.UnseenTail(torch.full((6,), mass, dtype=torch.float64), reductions.tail_reach(omega, mask, None))
+        return reductions.batch_statistics(returns, scale, kappa, task, omega, mask, None, tail).cv_coef
+
+    for given in (None, task):
+        untailed = reductions.batch_statistics(returns, scale, kappa, given, omega, mask, None).cv_coef
+        assert torch.equal(cv_coef(0.0, given), untailed) and (untailed > 0.01).all()
+        assert (cv_coef(1.0, given) <= untailed).all() and (cv_coef(10.0, given) <= cv_coef(1.0, given)).all()
+    assert (cv_coef(10.0, task) < cv_coef(1.0, task)).all() and (cv_coef(10.0, task) < cv_coef(10.0)).all()
     later = torch.tensor([float(sum(mask[b, t + 1:])) for b in range(6) for t in range(10)], dtype=torch.float64)
     reach = reductions.tail_reach(omega, mask, None)
     for b in range(6):

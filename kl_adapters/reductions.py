@@ -265,8 +265,9 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
     Z = a~_b Q - kappa_b H; task: the trainer's advantages ([B, T], zero at padding; None: no task term), alpha =
-    A / beta in KL units; omega [B, T] the score weights (zero at padding); mask [B, T] 0/1 in the working dtype; same: dense group ids or
-    None. Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
+    A / beta in KL units; omega [B, T] the score weights (zero at padding); mask [B, T] 0/1 in the working dtype; same:
+    dense group ids or None; tail: xi's unseen tail, counted in the joint fit (`_add_unseen_tail`; None: not counted,
+    as for `full`, whose future control variate is the resampling one). Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
     weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
     the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in

@@ -125,14 +125,15 @@ def _extremes(t: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def check_statistics(statistics, logp: Tensor) -> dict[str, Tensor]:
-    """KLStatistics rows must align with the [B, T] batch: cv_coef, eos_coef, past_coef [B] and baseline [B, T],
-    floating point, on logp's device.
+    """KLStatistics rows must align with the [B, T] batch: cv_coef, eos_coef, past_coef [B], baseline and eos_count
+    [B, T], floating point, on logp's device.
 
     Returns the tensors to check for finiteness at real tokens ([B, 1] or [B, T]) in check_batch's one sync.
     """
     from torch import Tensor
     rows = tuple(logp.shape[:1])
-    named = {"cv_coef": rows, "eos_coef": rows, "past_coef": rows, "baseline": tuple(logp.shape)}
+    named = {"cv_coef": rows, "eos_coef": rows, "past_coef": rows, "baseline": tuple(logp.shape),
+             "eos_count": tuple(logp.shape)}
     out = {}
     for field, shape in named.items():
         name, t = f"statistics.{field}", getattr(statistics, field)

@@ -162,6 +162,7 @@ def batch_moments(
     behaviour_logits: Tensor | None = None,
     groups: tuple[int, ...] | None = None,
     precomputed: bool = False,
+    rollout: bool = False,
     rewards: Tensor | None = None,
     normalized: bool = False,
     eos: bool = False,
@@ -179,7 +180,9 @@ def batch_moments(
     grad_theta log pi(y_t | node) = e_{node, y_t} - e_node (x) softmax(theta[node]), scattered into the node's logits.
     Batches are stacked into one [chunk * G, T] call with one group id per batch, so the leave-one-out statistics
     stay inside each batch; groups = a G-tuple of local ids splits each batch further (e.g. (0, 0, 1)), and
-    precomputed=True passes kl_statistics of the same rows as statistics= (the rollout-time path).
+    precomputed=True passes kl_statistics of the same rows as statistics= (the rollout-time path); with rollout=True
+    they are computed as an adapter does at rollout time, from the behaviour policy's log-probs and end-of-sequence
+    probabilities (so the loss's termination counts are mu's, its p_t pi's).
     rewards [N] (one per sequence): the statistics are fitted with GRPO's task advantages of each batch, r minus the
     mean of its (local) group, divided by the group's standard deviation when normalized (TaskAdvantages, beta 0.5);
     eos: with the policy's end-of-sequence probabilities (EndOfSequence, the termination control variate); row_beta:
@@ -217,10 +220,16 @@ def batch_moments(
         extra = (task_and_eos(space, logits, rows, group, rewards, normalized, eos, row_beta)
                  if spec.uses_batch_statistics or total else {})
         task = extra.get("task") if fit_task else extra.pop("task", None)
-        if spec.uses_batch_statistics:
-            stats = ({"statistics": kl_statistics(lp[rows], ref[rows], space.mask[rows], old_logp=old_rows, group=group,
-                                                  preset=spec, discount=discount, **extra), "eos": extra.get("eos")}
-                     if precomputed else {"group": group, **extra})
+        if spec.uses_batch_statistics and not precomputed:
+            stats = {"group": group, **extra}
+        elif spec.uses_batch_statistics:
+            source = {"logp": lp[rows], "old_logp": old_rows, **extra}
+            if rollout and old is not None:
+                source = {**source, "logp": old_rows, "old_logp": None}
+                if eos:
+                    source["eos"] = task_and_eos(space, behaviour_logits, rows, group, None, False, True)["eos"]
+            stats = {"statistics": kl_statistics(ref_logp=ref[rows], mask=space.mask[rows], group=group, preset=spec,
+                                                 discount=discount, **source), "eos": extra.get("eos")}
         c = kl_coefficients(lp[rows], ref[rows], space.mask[rows], preset=spec, old_logp=old_rows, discount=discount,
                             **stats)
         if total:

@@ -56,7 +56,7 @@ from ._validate import (check_batch, check_beta, check_discount, check_eos, chec
 from .estimators import as_float, capped, reverse_cumsum, working_dtype
 from .presets import FULL
 from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum_, past_kl,
-                         relative_returns, same_group, score_weight, termination_increments)
+                         relative_returns, same_group, score_weight, termination_counts, termination_increments)
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
@@ -106,13 +106,16 @@ def full_statistics(kl: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *,
     task = None if task is None else TaskAdvantages(torch.where(m, (task.advantages if task.advantages.dim() == 2 else
                                                                     task.advantages[:, None]).detach().to(dtype), 0.0),
                                                     task.beta, task.normalized)
-    eta = None if eos is None else termination_increments(eos, m, dtype, discount)
-    return _statistics(torch.where(m, kl.detach().to(dtype), 0.0), k1, lp, log_rho, mf, eta, task, group, discount)
+    counts = None if eos is None else termination_counts(eos, m, dtype, discount)
+    eta = None if eos is None else termination_increments(eos, m, dtype, discount, counts)
+    return _statistics(torch.where(m, kl.detach().to(dtype), 0.0), k1, lp, log_rho, mf, eta, task, group, discount,
+                       counts)
 
 
 def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Tensor, eta: Tensor | None,
-                task: TaskAdvantages | None, group: Tensor | None, discount: float = 1.0) -> KLStatistics:
-    """`full_statistics` from validated, detached terms in the working dtype (zero at padding)."""
+                task: TaskAdvantages | None, group: Tensor | None, discount: float = 1.0,
+                counts: Tensor | None = None) -> KLStatistics:
+    """`full_statistics` from validated, detached terms in the working dtype (zero at padding; counts: eta's nu)."""
     same = same_group(group)
     channels = [_next(kl), k1] + ([] if eta is None else [eta])
     ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
@@ -121,7 +124,8 @@ def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Ten
                       eos=None if eta is None else ret[:, 2] - eta, resample=ret[:, 1] - k1 - future)
     x = others_sum_(torch.stack((kl, mask), 1).sum(-1), same)
     kappa = torch.where(x[:, 1] > 0, x[:, 0] / x[:, 1].clamp(min=1.0), 0.0)
-    return batch_statistics(returns, torch.zeros_like(kappa), kappa, task, score_weight(logp, mask), mask, same)
+    return batch_statistics(returns, torch.zeros_like(kappa), kappa, task, score_weight(logp, mask), mask, same,
+                            counts=counts)
 
 
 def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics,
@@ -268,17 +272,23 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
     kl = scatter(kl_flat)
     lp = logp_ if given is None else given
     log_rho, k1 = log_rho_of(lp), (lp - ref_logp) * mf
-    eta = None if eos is None else termination_increments(eos, m, dtype, options.discount)
-    if statistics is None:
+    if statistics is not None:  # padding of a given baseline / counts may hold anything, NaN too
+        statistics = KLStatistics(*(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef,
+                                                                   statistics.past_coef)),
+                                  *(torch.where(m, x.detach().to(dtype), 0.0)
+                                    for x in (statistics.baseline, statistics.eos_count)))
+    counts = None
+    if eos is not None:
+        counts = (termination_counts(eos, m, dtype, options.discount) if statistics is None
+                  else statistics.eos_count)
+    eta = None if eos is None else termination_increments(eos, m, dtype, options.discount, counts)
+    stats = statistics
+    if stats is None:
         if task is not None:
             adv = task.advantages.detach().to(dtype)
             task = TaskAdvantages(torch.where(m, adv if adv.dim() == 2 else adv[:, None], 0.0), task.beta,
                                   task.normalized)
-        stats = _statistics(kl, k1, lp, log_rho, mf, eta, task, options.group, options.discount)
-    else:  # padding of a given baseline may hold anything, NaN too
-        stats = KLStatistics(*(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef,
-                                                              statistics.past_coef)),
-                             torch.where(m, statistics.baseline.detach().to(dtype), 0.0))
+        stats = _statistics(kl, k1, lp, log_rho, mf, eta, task, options.group, options.discount, counts)
     path_w, score_c = full_coefficients(kl, k1, log_rho, mf, stats, eta, options.discount)
     if given is None:
         path_flat, score_flat = path_w.flatten()[flat] / max(batch, 1), score_c.flatten()[flat] / max(batch, 1)

@@ -52,6 +52,8 @@ class Terms:
     logp: Tensor | None = None
     #: termination increments eta_t (reductions.termination_increments), None without EndOfSequence
     eta: Tensor | None = None
+    #: their counts nu_t (reductions.termination_counts, or the given statistics' eos_count), None with eta
+    eos_count: Tensor | None = None
     #: the trainer's task advantages, [B, T] in the working dtype and zero at padding; None without a task term
     task: TaskAdvantages | None = None
     #: gamma of the future-KL return (1: the exact sequence-level KL gradient; < 1: the biased dial, `Preset.discountable`)

@@ -4,7 +4,9 @@ Notation per sequence (presets.py): k1_t = log pi/pi_ref, xi_t = r_t - 1 = pi_re
 rho_t = pi/mu, w_{1:t} = prod_{s<=t} rho_s (1 on-policy), g_t = grad log pi(y_t | y_<t), Pi_t = sum_{s<t} k1_s (the
 KL of the prefix). With the end-of-sequence probabilities (`EndOfSequence`): p_t = pi(EOS | y_<t), e_t = 1[y_t is an
 EOS token], n_t = horizon - 1 - t (positions a stop at t gives up), nu_t = (1 - (1 - p_t)^n_t) / p_t (the expected
-number of them under a constant stop hazard p_t; n_t as p_t -> 0) and eta_t = nu_t (p_t - e_t).
+number of them under a constant stop hazard p_t; n_t as p_t -> 0) and eta_t = nu_t (p_t - e_t). Only p_t must be the
+current policy's: nu_t may be any function of y_<t, and precomputed statistics carry the rollout policy's
+(`KLStatistics.eos_count`), so the loss spends no transcendental function on it.
 
 The trainer's gradient is task + KL: per token, up to a positive factor, (A_{b,t} - beta c_{b,t}) g_{b,t} with A the
 task advantage (`TaskAdvantages`) and c the KL term's weight. The plain `sequence` weight is
@@ -118,12 +120,17 @@ class EndOfSequence:
 
 @dataclass(frozen=True)
 class KLStatistics:
-    """Per-row statistics of the reduced presets, each computed from the OTHER rows of the row's group (detached).
+    """Per-row statistics of the reduced presets (detached): the fitted ones computed from the OTHER rows of the row's
+    group, and the termination counts of the row's own prefix.
 
     cv_coef    [B]    a_b: coefficient of the future control variate (xi; `full`: k1 - KL)
     eos_coef   [B]    h_b: coefficient of the termination control variate (0 without EndOfSequence)
     past_coef  [B]    lambda_b: coefficient of the prefix KL Pi_t in the baseline
     baseline   [B, T] m_{b,t}
+    eos_count  [B, T] nu_t (`termination_counts`) of the end-of-sequence probabilities the statistics were computed
+                      with (zero without them): a function of the row's own prefix y_<t, which may be any, so the loss
+                      forms eta_t = nu_t (p_t - e_t) with the current policy's p_t and no transcendental function
+                      (off-policy, nu from the rollout policy's probabilities: the same expected gradient)
     Slice them along the batch dimension together with the batch they belong to (e.g. into micro-batches).
     """
 
@@ -131,17 +138,20 @@ class KLStatistics:
     eos_coef: Tensor
     past_coef: Tensor
     baseline: Tensor
+    eos_count: Tensor
 
     def __getitem__(self, rows) -> KLStatistics:
         """The statistics of a subset of rows (a slice, index tensor or bool mask over the batch dimension)."""
         return KLStatistics(*(getattr(self, f.name)[rows] for f in fields(self)))
 
     def with_width(self, width: int) -> KLStatistics:
-        """The same statistics with the baseline cut or zero-padded to `width` positions (a micro-batch's padding)."""
-        base = self.baseline[:, :width]
-        if base.shape[1] < width:
-            base = torch.nn.functional.pad(base, (0, width - base.shape[1]))
-        return KLStatistics(self.cv_coef, self.eos_coef, self.past_coef, base)
+        """The same statistics with the [B, T] ones cut or zero-padded to `width` positions (a micro-batch's padding)."""
+        def fit(x: Tensor) -> Tensor:
+            if x.dim() == 1:
+                return x
+            x = x[:, :width]
+            return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
+        return KLStatistics(*(fit(getattr(self, f.name)) for f in fields(self)))
 
     def to(self, *args, **kwargs) -> KLStatistics:
         """Every tensor moved / cast with Tensor.to."""
@@ -151,26 +161,20 @@ class KLStatistics:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def zero_statistics(batch: int, width: int, dtype: torch.dtype, device: torch.device) -> KLStatistics:
-    """Statistics that turn the reduced presets into their plain forms."""
-    zero = torch.zeros(batch, dtype=dtype, device=device)
-    return KLStatistics(zero, zero, zero, torch.zeros(batch, width, dtype=dtype, device=device))
-
-
 def control_variate(k1: Tensor, mask: Tensor) -> Tensor:
     """xi_t = r_t - 1 = pi_ref/pi - 1 = expm1(-k1_t) at real tokens, 0 at padding: zero mean under pi given the prefix
     (-k1 `estimators.capped` where r would overflow the working dtype)."""
     return torch.expm1(capped(-k1)) * mask
 
 
-def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype, discount: float = 1.0) -> Tensor:
-    """eta_t = nu_t (p_t - e_t) at real tokens (mask: bool, or 0/1), 0 at padding (module docstring): zero mean under
-    pi given y_<t for any nu_t that is a function of y_<t. With a discount gamma (`discount`),
-    nu_t = sum_{k=1}^{n_t} gamma^k (1 - p_t)^(k - 1) = gamma (1 - q^n_t) / (1 - q), q = gamma (1 - p_t): the discounted
-    count of the positions a stop gives up. It is evaluated at p_t clamped to [tiny, 1 - eps] of the working dtype
-    (tiny, eps: its smallest normal number and machine epsilon), which gives the limits gamma n_t at p_t = 0 (gamma = 1)
-    and gamma (1 - (gamma eps)^n_t) / (1 - gamma eps), within eps of the exact value, at p_t = 1; p_t - e_t uses p_t
-    itself. tests/core/test_termination.py."""
+def termination_counts(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype, discount: float = 1.0) -> Tensor:
+    """nu_t = sum_{k=1}^{n_t} gamma^(k-1) ... at real tokens, 0 at padding (mask: bool, or 0/1): the (discounted)
+    expected count of the positions a stop at t gives up under a constant stop hazard p_t = eos.prob,
+    nu_t = gamma (1 - q^n_t) / (1 - q), q = gamma (1 - p_t) (gamma = `discount`; 1: (1 - (1 - p_t)^n_t) / p_t). It is
+    evaluated at p_t clamped to [tiny, 1 - eps] of the working dtype (tiny, eps: its smallest normal number and machine
+    epsilon), which gives the limits gamma n_t at p_t = 0 (gamma = 1) and gamma (1 - (gamma eps)^n_t) / (1 - gamma eps),
+    within eps of the exact value, at p_t = 1. A function of y_<t: any such nu keeps the control variate's mean at 0
+    (`termination_increments`). tests/core/test_termination.py."""
     width = mask.shape[-1]
     horizon = width if eos.horizon is None else eos.horizon
     real = mask if mask.dtype == torch.bool else mask != 0
@@ -183,11 +187,20 @@ def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype,
     if discount != 1.0:
         log_q = log_q + math.log(discount)
         gap = (1 - discount) + discount * inside
-    # nu (p - e) = gamma (q^n - 1) / (1 - q) x (e - p)
-    minus_nu = torch.expm1(after * log_q).div_(gap)
-    if discount != 1.0:
-        minus_nu = minus_nu.mul_(discount)
-    return minus_nu.mul_(as_float(eos.is_eos & real, dtype) - p)
+    nu = torch.expm1(after * log_q).div_(gap).mul_(-discount)  # gamma (1 - q^n) / (1 - q)
+    return nu.mul_(as_float(real, dtype))
+
+
+def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype, discount: float = 1.0,
+                           counts: Tensor | None = None) -> Tensor:
+    """eta_t = nu_t (p_t - e_t) at real tokens (mask: bool, or 0/1), 0 at padding (module docstring): zero mean under
+    pi given y_<t for any nu_t that is a function of y_<t. counts: nu [B, T] (zero at padding), e.g. `KLStatistics.
+    eos_count` computed at rollout time; None = `termination_counts` of these probabilities. p_t - e_t uses the
+    current p_t itself. tests/core/test_termination.py."""
+    real = mask if mask.dtype == torch.bool else mask != 0
+    nu = termination_counts(eos, real, dtype, discount) if counts is None else counts
+    p = torch.where(real, eos.prob.detach().to(dtype), 0.0)
+    return nu * (p - as_float(eos.is_eos & real, dtype))
 
 
 def past_kl(k1: Tensor, mask: Tensor) -> Tensor:
@@ -260,14 +273,16 @@ class Returns:
 
 
 def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdvantages | None, omega: Tensor,
-                     mask: Tensor, same: Tensor | None, tail: UnseenTail | None = None) -> KLStatistics:
+                     mask: Tensor, same: Tensor | None, tail: UnseenTail | None = None,
+                     counts: Tensor | None = None) -> KLStatistics:
     """Leave-one-out statistics of every row (module docstring, steps 2 and 3) from the batch's `Returns`.
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
     Z = a~_b Q - kappa_b H; task: the trainer's advantages ([B, T], zero at padding; None: no task term), alpha =
     A / beta in KL units; omega [B, T] the score weights (zero at padding); mask [B, T] 0/1 in the working dtype; same:
     dense group ids or None; tail: xi's unseen tail, counted in the joint fit (`_add_unseen_tail`; None: not counted,
-    as for `full`, whose future control variate is the resampling one). Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
+    as for `full`, whose future control variate is the resampling one); counts: the rows' own `termination_counts`
+    (the H channel's nu; None: no EndOfSequence), returned as eos_count. Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
     weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
     the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in
@@ -325,8 +340,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     zero = torch.zeros(batch, dtype=dtype, device=mask.device)
     cv_coef = fitted["resample"] if "resample" in fitted else fitted.get("xi", zero) * cv_scale.to(dtype)
     eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
-    lam = fitted["past"]
-    statistics = KLStatistics(cv_coef=cv_coef, eos_coef=eos_coef, past_coef=lam, baseline=baseline)
+    values = (cv_coef, eos_coef, fitted["past"], baseline)
     # every statistic is scaled by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows' tokens left
     # after the per-position means (0 with fewer than two other rows with tokens: the plain form): a fit to a handful of
     # tokens adds more noise than it removes (`fit_shrinkage`); far off-policy (weights past float64's range) a fit can
@@ -336,7 +350,8 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     shrink = _shrinkage(dof)
     bound = torch.finfo(out_dtype).max ** 0.25
     return KLStatistics(*((x * (shrink if x.dim() == 1 else shrink[:, None])).nan_to_num_(0.0, 0.0, 0.0)
-                          .clamp_(-bound, bound).to(out_dtype) for x in statistics.as_dict().values()))
+                          .clamp_(-bound, bound).to(out_dtype) for x in values),
+                        eos_count=torch.zeros_like(mask) if counts is None else counts)
 
 
 def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, tail: UnseenTail, task: bool) -> None:
@@ -484,10 +499,11 @@ def score_weight(logp: Tensor, mask: Tensor) -> Tensor:
 
 def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: Tensor, log_rho: Tensor | None,
                              mask: Tensor, task: TaskAdvantages | None, group: Tensor | None,
-                             discount: float = 1.0) -> KLStatistics:
+                             discount: float = 1.0, counts: Tensor | None = None) -> KLStatistics:
     """The statistics of `sequence` / `reward` from a [B, T] batch's detached terms (zero at padding; cv = xi,
-    eta = `termination_increments` or None, task advantages already [B, T]); log_rho None: unweighted returns (the
-    on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the preset's."""
+    eta = `termination_increments` or None, counts = its nu, task advantages already [B, T]); log_rho None:
+    unweighted returns (the on-policy batch, or `reward`, whose return is unweighted); the returns discounted like the
+    preset's."""
     same = same_group(group)
     channels = (k1, cv) if eta is None else (k1, cv, eta)
     ret = relative_returns(torch.stack(channels, 1), mask, log_rho, discount)
@@ -496,4 +512,4 @@ def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: T
     coefficients = token_coefficients(k1, cv, mask, same)
     omega = score_weight(logp, mask)
     return batch_statistics(returns, coefficients.cv_scale, coefficients.kappa, task, omega, mask, same,
-                            UnseenTail(coefficients.tail, tail_reach(omega, mask, same)))
+                            UnseenTail(coefficients.tail, tail_reach(omega, mask, same)), counts)

@@ -32,7 +32,7 @@ from ._validate import (check_beta, check_discount, check_eos, check_group, chec
 from .estimators import as_float, reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
 from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, sampled_token_statistics,
-                         termination_increments)
+                         termination_counts)
 
 
 def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None,
@@ -63,20 +63,28 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
             return x.to(dtype) * mf
         return torch.where(m, x.to(dtype), zero)
 
+    def finite(x: Tensor) -> Tensor:
+        """x in the working dtype, finite at padding (where every product it enters is masked): x itself when checked
+        finite there and not narrowed, else masked."""
+        return x.to(dtype) if finite_everywhere and x.dtype.itemsize <= dtype.itemsize else masked(x)
+
     lp = masked(logp)
     lp_d = lp.detach()
     k1 = lp_d - masked(ref_logp.detach())
     log_rho = zero.expand_as(lp) if old_logp is None else lp_d - masked(old_logp.detach())
     stats = None if statistics is None else KLStatistics(
         *(x.detach().to(dtype) for x in (statistics.cv_coef, statistics.eos_coef, statistics.past_coef)),
-        masked(statistics.baseline.detach()))
+        finite(statistics.baseline.detach()), masked(statistics.eos_count.detach()))
     if task is not None:
         advantages = task.advantages.detach()
         task = TaskAdvantages(masked(advantages if advantages.dim() == 2 else advantages[:, None]), task.beta,
                               task.normalized)
-    eta = None if eos is None else termination_increments(eos, m, dtype, discount)
+    counts = eta = None
+    if eos is not None:  # given statistics carry the counts (computed at rollout time): no transcendental function here
+        counts = termination_counts(eos, m, dtype, discount) if stats is None else stats.eos_count
+        eta = counts * (finite(eos.prob.detach()) - as_float(eos.is_eos, dtype))  # counts: zero at padding
     return lp, Terms(k1=k1, log_rho=log_rho, mask=mf, is_clip=is_clip, statistics=stats, on_policy=old_logp is None,
-                     logp=lp_d, eta=eta, task=task, discount=discount)
+                     logp=lp_d, eta=eta, eos_count=counts, task=task, discount=discount)
 
 
 def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -> KLStatistics:
@@ -84,7 +92,7 @@ def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -
     importance-weighted returns unless the preset's own return is unweighted (`Preset.weighted_returns`)."""
     weighted = not t.on_policy and (spec is None or spec.weighted_returns)
     return sampled_token_statistics(t.k1, t.cv, t.eta, t.logp, t.log_rho if weighted else None, t.mask, t.task, group,
-                                    t.discount)
+                                    t.discount, t.eos_count)
 
 
 def _check_options(spec: Preset, is_clip: float | None, statistics: KLStatistics | None, group: Tensor | None,

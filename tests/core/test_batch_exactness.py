@@ -5,7 +5,9 @@ The reduced presets use leave-one-out statistics of the batch's other rows (kl_a
 because row b's control-variate coefficient and baseline are functions of the other rows only, and
     E_mu[g_t w_{1:s} (r_s - 1)] = 0 (s > t),   E_mu[w_{1:t} g_t b_t] = 0 (b_t independent of y_t given y_<t).
 Pinned here for the batch's own statistics, with group ids (leave-one-out within each group), and with statistics
-precomputed by kl_statistics on the same rows (the rollout-time path).
+precomputed by kl_statistics on the same rows (the rollout-time path), also as adapters take them off-policy: from the
+behaviour policy's log-probs and end-of-sequence probabilities (the loss then uses mu's termination counts nu_t with
+pi's p_t).
 """
 
 import pytest
@@ -39,6 +41,9 @@ def _cases():
                 yield name, regime, 3, None, False, task
                 yield name, regime, 3, (4, 7, 4), True, task
             yield name, regime, 2, None, True, "advantages and eos"
+            if regime == "off-policy":  # statistics from mu's log-probs and EOS probabilities, as adapters take them
+                yield name, regime, 3, None, "rollout", "advantages and eos"
+                yield name, regime, 3, (4, 7, 4), "rollout", "advantages and eos"
             yield name, regime, 3, (0, 0, 1), False, None
             yield name, regime, 3, (4, 7, 4), True, None
 
@@ -58,7 +63,7 @@ def test_reduced_presets_are_exact_over_every_batch(problem, name, regime, size,
     extra = {} if task is None else {"rewards": _rewards(pol), "normalized": task.startswith("normalized"),
                                      "eos": task.endswith("eos"), "row_beta": task.endswith("per-row beta")}
     mean, _ = batch_moments(pol.space, pol.logits, pol.ref_logits, name, size, behaviour_logits=behaviour,
-                            groups=groups, precomputed=precomputed, **extra)
+                            groups=groups, precomputed=bool(precomputed), rollout=precomputed == "rollout", **extra)
     assert relative_error(mean, tg[regime]) < 1e-10
 
 

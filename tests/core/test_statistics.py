@@ -1,9 +1,12 @@
 """Batch statistics of the reduced presets: leave-one-out by construction, sliceable, validated; is_ess.
 
 The exactness of the reduced presets rests on one property (kl_adapters/reductions.py): row b's statistics are
-functions of the OTHER rows of its group only. Pinned directly here (changing row b leaves its statistics unchanged)
-and through the expectation in tests/core/test_batch_exactness.py.
+functions of the OTHER rows of its group only, besides the row's own termination counts (functions of its prefix).
+Pinned directly here (changing row b leaves its statistics unchanged) and through the expectation in
+tests/core/test_batch_exactness.py.
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,8 +14,10 @@ from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kl_adapters import (SAMPLED_TOKEN_PRESETS, EndOfSequence, KLStatistics, TaskAdvantages, kl_coefficients,
+from kl_adapters import (SAMPLED_TOKEN_PRESETS, EndOfSequence, TaskAdvantages, kl_coefficients,
                          kl_statistics, kl_surrogate, kl_term)
+from kl_adapters.presets import Terms, get_preset
+from kl_adapters.reductions import termination_counts, termination_increments
 
 REDUCED = [n for n, p in SAMPLED_TOKEN_PRESETS.items() if p.uses_batch_statistics]
 
@@ -57,8 +62,9 @@ def _eos(logp, mask, seed):
 @given(batch=batches(), row=st.integers(0, 5), scale=st.floats(0.1, 3.0), task=st.sampled_from([None, False, True]),
        with_eos=st.booleans())
 def test_a_rows_statistics_do_not_depend_on_the_row(batch, row, scale, task, with_eos):
-    """Row b's statistics are functions of the other rows only, with GRPO advantages that depend on row b's reward
-    (through the group mean and std) and with end-of-sequence probabilities."""
+    """Row b's fitted statistics are functions of the other rows only, with GRPO advantages that depend on row b's
+    reward (through the group mean and std) and with end-of-sequence probabilities (eos_count, the row's own
+    termination counts, is not fitted: test_statistics_carry_the_rows_own_termination_counts)."""
     logp, ref, mask, old, group = batch
     row = row % logp.shape[0]
     rewards = torch.rand(logp.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -100,6 +106,24 @@ def test_statistics_sliced_into_micro_batches_give_the_whole_batch_weights(batch
         part = kl_coefficients(logp[rows], ref[rows], mask[rows], preset=name,
                                old_logp=None if old is None else old[rows], statistics=stats[rows], eos=part_eos)
         assert torch.allclose(part, whole[rows], rtol=1e-12, atol=1e-14)
+
+
+def test_statistics_carry_the_rows_own_termination_counts():
+    """eos_count = termination_counts of the probabilities the statistics were computed with (zero without them), and
+    a loss given the statistics forms eta = eos_count (p - e) with the probabilities it is given (the current policy's:
+    nu from the rollout policy, p_t current)."""
+    logp, ref, mask, old = _batch()
+    eos = _eos(old, mask, 4)
+    stats = kl_statistics(old, ref, mask, eos=eos)  # at rollout time: the behaviour policy's log-probs and EOS probs
+    assert torch.equal(stats.eos_count, termination_counts(eos, mask, torch.float64))
+    assert torch.all(kl_statistics(old, ref, mask).eos_count == 0)
+    current = EndOfSequence(eos.prob * 0.5 + 0.05, eos.is_eos)
+    got = kl_coefficients(logp, ref, mask, old_logp=old, statistics=stats, eos=current)
+    eta = termination_increments(current, mask, torch.float64, counts=stats.eos_count)
+    assert not torch.allclose(eta, termination_increments(current, mask, torch.float64))
+    terms = Terms(k1=(logp - ref) * mask, log_rho=(logp - old) * mask, mask=mask.double(), is_clip=None,
+                  statistics=stats, eta=eta)
+    assert torch.allclose(got, get_preset("sequence").coefficients(terms) * mask, rtol=1e-12, atol=1e-14)
 
 
 @settings(max_examples=40, deadline=None)
@@ -149,7 +173,7 @@ def test_small_fits_are_shrunk_toward_the_plain_form(monkeypatch):
     factor = torch.tensor([3 / 11, 3 / 11, 3 / 11, 0.0], dtype=torch.float64)
     assert fitted.baseline[:3].abs().sum() > 0 and torch.all(fitted.baseline[3] == 0)
     for name, value in fitted.as_dict().items():
-        scale = factor if value.dim() == 1 else factor[:, None]
+        scale = 1.0 if name == "eos_count" else factor if value.dim() == 1 else factor[:, None]  # counts: not fitted
         assert torch.allclose(getattr(shrunk, name), value * scale, rtol=1e-12, atol=1e-15), name
 
 
@@ -259,16 +283,19 @@ def test_bad_statistics_group_task_and_eos_are_refused():
     with pytest.raises(ValueError, match=r"statistics.baseline has shape \(5, 6\)"):
         kl_surrogate(logp, ref, mask, statistics=stats.with_width(6))
     with pytest.raises(TypeError, match="statistics.cv_coef must be a torch.Tensor"):
-        kl_surrogate(logp, ref, mask, statistics=KLStatistics([0.5] * 5, stats.eos_coef, stats.past_coef,
-                                                              stats.baseline))
+        kl_surrogate(logp, ref, mask, statistics=replace(stats, cv_coef=[0.5] * 5))
     nan = stats.baseline.clone()
     nan[0, 0] = float("nan")
     with pytest.raises(ValueError, match="statistics.baseline has non-finite"):
-        kl_surrogate(logp, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.eos_coef, stats.past_coef, nan))
+        kl_surrogate(logp, ref, mask, statistics=replace(stats, baseline=nan))
+    with pytest.raises(ValueError, match="statistics.eos_count has non-finite"):
+        kl_surrogate(logp, ref, mask, statistics=replace(stats, eos_count=nan))
+    with pytest.raises(ValueError, match=r"statistics.eos_count has shape \(5,\)"):
+        kl_surrogate(logp, ref, mask, statistics=replace(stats, eos_count=stats.cv_coef))
     nan[0, 0] = 0.0
     nan[3, 6] = float("nan")  # padding of row 3 (length 1): never read
     x = logp.clone().requires_grad_(True)
-    loss = kl_surrogate(x, ref, mask, statistics=KLStatistics(stats.cv_coef, stats.eos_coef, stats.past_coef, nan))
+    loss = kl_surrogate(x, ref, mask, statistics=replace(stats, baseline=nan, eos_count=nan))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     with pytest.raises(ValueError, match=r"group has shape \(4,\)"):
@@ -303,7 +330,7 @@ def test_bad_statistics_group_task_and_eos_are_refused():
         kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob + 1.5, eos.is_eos))
     with pytest.raises(ValueError, match="eos.horizon must be"):
         kl_statistics(logp, ref, mask, eos=EndOfSequence(eos.prob, eos.is_eos, horizon=3))
-    with_eos = KLStatistics(stats.cv_coef, torch.full_like(stats.cv_coef, -0.01), stats.past_coef, stats.baseline)
+    with_eos = replace(stats, eos_coef=torch.full_like(stats.cv_coef, -0.01))
     with pytest.raises(ValueError, match="statistics.eos_coef is nonzero"):
         kl_surrogate(logp, ref, mask, statistics=with_eos)
     with pytest.raises(ValueError, match="use kl_adapters.full_statistics"):

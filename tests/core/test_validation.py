@@ -1,6 +1,7 @@
 """Bad input gets a clear error."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def test_padding_garbage_gives_what_zero_padding_gives():
         eos = EndOfSequence(padded(prob, 3.0), is_eos)
         args = (padded(lp, float("nan")), padded(ref, -math.inf), m)
         stats = kl_statistics(*args, old_logp=padded(old, float("nan")), task=task, eos=eos)
-        stats = type(stats)(stats.cv_coef, stats.eos_coef, stats.past_coef, padded(stats.baseline, float("nan")))
+        stats = replace(stats, baseline=padded(stats.baseline, float("nan")), eos_count=padded(stats.eos_count, math.inf))
         own = kl_term(*args, old_logp=padded(old, float("nan")), task=task, eos=eos).coefficients
         given = kl_term(*args, old_logp=padded(old, float("nan")), statistics=stats, eos=eos).coefficients
         return own, given

@@ -37,13 +37,13 @@ def summarize(runs: Iterable[Run]) -> dict[int, dict[str, dict]]:
                 statistics.fmean(r["step_seconds"]) for r in group)}
             for metric in ("gap", "kl_opt", "reward", "kl_ref", "length"):
                 values = [final(r, metric) for r in group]
-                row[metric] = {"mean": statistics.fmean(values), "se": _se(values), "per_seed": values,
+                row[metric] = {"mean": statistics.fmean(values), "se": standard_error(values), "per_seed": values,
                                "eval_se": [final(r, metric + "_se") for r in group]}
             out[horizon][config] = row
     return out
 
 
-def _se(values: list[float]) -> float:
+def standard_error(values: list[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
 
 

@@ -69,18 +69,22 @@ def wilcoxon_signed_rank(differences: list[float]) -> tuple[float, float, int]:
 def paired_comparison(summary: dict, candidate: str, reference: str, metric: str = "kl_opt") -> dict:
     """The final-step `metric` of two configurations paired by seed: per-seed values, the geometric mean of
     candidate / reference, the Wilcoxon signed-rank test (`wilcoxon_signed_rank`) and the paired t-test
-    (`long_horizon_report.paired_test`) on log(candidate) - log(reference); the two runs of a seed share the initial
-    policy (= pi_ref) and the reward, not the sampled batches."""
-    from .long_horizon_report import paired_test
+    (`long_horizon_report.paired_test`) on log(candidate) - log(reference), and the arithmetic means' paired
+    difference candidate - reference with its standard error and paired t-test; the two runs of a seed share the
+    initial policy (= pi_ref) and the reward, not the sampled batches."""
+    from .long_horizon_report import paired_test, standard_error
 
     c, r = summary[candidate][metric]["final_per_seed"], summary[reference][metric]["final_per_seed"]
     logs = [math.log(x) - math.log(y) for x, y in zip(c, r)]
     w, p, n = wilcoxon_signed_rank(logs)
+    difference, difference_p = paired_test(c, r)
     return {"candidate": candidate, "reference": reference, "metric": metric, "candidate_per_seed": c,
             "reference_per_seed": r, "geometric_mean_ratio": math.exp(statistics.fmean(logs)),
             "candidate_lower_on": sum(x < 0 for x in logs), "seeds": len(logs), "wilcoxon_w_plus": w,
             "wilcoxon_p_two_sided": p, "wilcoxon_n": n,
-            "paired_t_log_p_two_sided": paired_test([math.log(x) for x in c], [math.log(y) for y in r])[1]}
+            "paired_t_log_p_two_sided": paired_test([math.log(x) for x in c], [math.log(y) for y in r])[1],
+            "mean_difference": difference, "mean_difference_se": standard_error([x - y for x, y in zip(c, r)]),
+            "mean_difference_p_two_sided": difference_p}
 
 
 def seeds_text(summary: dict, comparison: dict | None) -> str:
@@ -101,7 +105,9 @@ def seeds_text(summary: dict, comparison: dict | None) -> str:
                      f"{k['geometric_mean_ratio']:.3f}, lower on {k['candidate_lower_on']} of {k['seeds']} seeds; "
                      f"Wilcoxon signed-rank on log KL (exact, two-sided): W+ = {k['wilcoxon_w_plus']:g}, "
                      f"n = {k['wilcoxon_n']}, p = {k['wilcoxon_p_two_sided']:.3g}; paired t on log KL: "
-                     f"p = {k['paired_t_log_p_two_sided']:.3g}")
+                     f"p = {k['paired_t_log_p_two_sided']:.3g}; arithmetic means: difference "
+                     f"{k['mean_difference']:+.5f} +- {k['mean_difference_se']:.5f} (paired t, two-sided: "
+                     f"p = {k['mean_difference_p_two_sided']:.3g})")
     return "\n".join(lines)
 
 

@@ -114,6 +114,9 @@ def test_demo_command_writes_table_plot_and_json(tmp_path):
     comparison = doc["paired_comparison"]  # sequence vs its floor, paired by seed
     assert comparison["reference"] == "sequence-plain" and comparison["seeds"] == 2
     assert "Wilcoxon signed-rank on log KL" in (tmp_path / "demo_trl_quick.txt").read_text()
+    assert "arithmetic means: difference" in (tmp_path / "demo_trl_quick.txt").read_text()
+    c, r = comparison["candidate_per_seed"], comparison["reference_per_seed"]
+    assert comparison["mean_difference"] == pytest.approx((c[0] - r[0] + c[1] - r[1]) / 2, rel=1e-12)
     assert (tmp_path / "demo_trl_quick.png").stat().st_size > 10_000
     assert "trl-default / sequence" in (tmp_path / "demo_trl_quick.txt").read_text()
     check_gradient_rows(doc["gradient_check"], unbiased=["sequence", "sequence-plain"])

@@ -38,7 +38,7 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
   2. The joint fit: with the other rows' returns from t given they reached t (P: the preset's, Q = sum_{s>t} xi_s,
      H = sum_{s>t} eta_s, importance-weighted relative to t where the preset's return is) and the task in KL units,
      y = P - alpha~ (alpha~ = A / beta, its shift over the other rows removed; with TaskAdvantages.normalized also its
-     scale, see there), (rho_xi, rho_eos, delta, lambda) minimise sum over the other rows' tokens of
+     scale, see there; with importance-weighted returns each row's alpha~ weighted by `off_policy_task_weight`), (rho_xi, rho_eos, delta, lambda) minimise sum over the other rows' tokens of
      omega (y + rho_xi a~ Q - rho_eos kappa H + delta D + lambda Pi - m_t)^2 with a free mean m_t per position (least
      squares, clamped to [0, 1]: each rho scales a KL-optimal control variate down to what the task leaves
      uncancelled); omega = (1 - pi(y_t))^2 is the squared norm of the token's logit score e_y - pi without the rest of
@@ -274,7 +274,7 @@ class Returns:
 
 def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdvantages | None, omega: Tensor,
                      mask: Tensor, same: Tensor | None, tail: UnseenTail | None = None,
-                     counts: Tensor | None = None) -> KLStatistics:
+                     counts: Tensor | None = None, task_weight: Tensor | None = None) -> KLStatistics:
     """Leave-one-out statistics of every row (module docstring, steps 2 and 3) from the batch's `Returns`.
 
     cv_scale [B] a~_b and kappa [B] kappa_b: the KL-only coefficients of row b (functions of the other rows), so that
@@ -282,7 +282,9 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     A / beta in KL units; omega [B, T] the score weights (zero at padding); mask [B, T] 0/1 in the working dtype; same:
     dense group ids or None; tail: xi's unseen tail, counted in the joint fit (`_add_unseen_tail`; None: not counted,
     as for `full`, whose future control variate is the resampling one); counts: the rows' own `termination_counts`
-    (the H channel's nu; None: no EndOfSequence), returned as eos_count. Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
+    (the H channel's nu; None: no EndOfSequence), returned as eos_count; task_weight [B, T]: the weight at which each
+    row's shift-free advantages enter the fit (a function of that row alone, zero at padding; None: 1,
+    `off_policy_task_weight`). Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
     weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
     the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in
@@ -294,9 +296,12 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     out_dtype, dtype = mask.dtype, torch.float64
     batch, width = mask.shape
     alpha = None if task is None else task.advantages
-    # the channels present in this batch: P, the task, then the fit's features (absent ones are left out, not zeros)
-    channels = {"ret": r.ret, "task": alpha, "xi": None if r.resample is not None else r.cv, "eos": r.eos,
-                "resample": r.resample, "past": r.past}
+    faded = alpha is not None and task_weight is not None
+    # the channels present in this batch: P, the task (times its weight f, and f itself: y's shift term scale mu f),
+    # then the fit's features (absent ones are left out, not zeros)
+    channels = {"ret": r.ret, "task": alpha * task_weight if faded else alpha, "task_weight": task_weight if faded else
+                None, "xi": None if r.resample is not None else r.cv, "eos": r.eos, "resample": r.resample,
+                "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
     # one [B, 2 + k, T] float64 buffer of (omega, mask, omega x channels) and one [B, k, T] of the channels, written in
     # place (each input cast once, on its copy)
@@ -308,7 +313,8 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
         feats[:, i].copy_(channels[n])
     weighted = torch.mul(om[:, None], feats, out=per_token[:, 2:])
     gram = others_sum_(torch.bmm(weighted, feats.transpose(1, 2)), same)
-    alpha = None if alpha is None else feats[:, names.index("task")]
+    if alpha is not None:
+        alpha = alpha.to(dtype) if faded else feats[:, names.index("task")]
     scale, mu = _task_scale(task, alpha, mask, same)
     sums = others_sum_(per_token, same)  # per_token now holds the other rows' per-position sums
     weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]
@@ -316,12 +322,14 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     root = inv_w.sqrt()
     s_f.mul_(root[:, None])  # s_f / sqrt(W_t), so that sum_t s_f s_f^T / W_t is one bmm
     centred = gram - torch.bmm(s_f, s_f.transpose(1, 2))  # per-position centred, summed over t
-    # y = P - scale (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
+    # y = P - scale f (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
     features = [n for n in ("xi", "eos", "resample", "past") if n in names]
     lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
     lin[:, 0, 0] = 1.0
     if alpha is not None:
         lin[:, 0, names.index("task")] = -scale
+    if faded:
+        lin[:, 0, names.index("task_weight")] = scale * mu
     factor = {"xi": cv_scale.to(dtype), "eos": -kappa.to(dtype), "resample": 1.0, "past": 1.0}
     for row, n in enumerate(features, start=1):
         lin[:, row, names.index(n)] = factor[n]
@@ -332,8 +340,10 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     tokens = count.sum(-1)
     dof = tokens - (count > 0).sum(-1)  # sum_t max(n_{b,t} - 1, 0): the counts are whole numbers
     theta = _joint_fit(moments, raw, tokens)
-    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu)
-    mean = torch.bmm(coef[:, None], s_f)[:, 0].mul_(root).add_((weight * inv_w).mul_((scale * mu)[:, None]))
+    coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu, unless faded)
+    mean = torch.bmm(coef[:, None], s_f)[:, 0].mul_(root)
+    if not faded:
+        mean.add_((weight * inv_w).mul_((scale * mu)[:, None]))
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
     baseline = _james_stein(mean, var_z, weight, count, tokens, dof)
     fitted = dict(zip(features, theta.unbind(-1)))
@@ -512,4 +522,19 @@ def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: T
     coefficients = token_coefficients(k1, cv, mask, same)
     omega = score_weight(logp, mask)
     return batch_statistics(returns, coefficients.cv_scale, coefficients.kappa, task, omega, mask, same,
-                            UnseenTail(coefficients.tail, tail_reach(omega, mask, same)), counts)
+                            UnseenTail(coefficients.tail, tail_reach(omega, mask, same)), counts,
+                            None if log_rho is None or task is None else off_policy_task_weight(log_rho, mask))
+
+
+def off_policy_task_weight(log_rho: Tensor, mask: Tensor) -> Tensor:
+    """f_t = exp(-|log w_{1:t-1}|) at real tokens, 0 at padding: the weight at which a row's task advantages enter the
+    joint fit when the returns are importance-weighted. The trainer's task term weighs token t by rho_t and the KL
+    return by w_{1:t} = w_{1:t-1} rho_t, so the task's noise cancels the KL return's (what the joint fit exploits near
+    the regularized optimum) only where w_{1:t-1} is near 1; f is 1 there (on-policy: every f = 1) and falls to 0 as
+    the prefix weight leaves 1 in either direction. Counting the advantages in the fit at full weight made the task +
+    KL variance of `sequence` off-policy at T = 1024 up to 1.16x `sequence-plain`'s, leaving them out made short
+    horizons far worse, and the exact frame change (A / w_{1:t-1}) up to 24x (bench/variance.py off-policy grids,
+    docs/variance.md). A function of the row alone: other rows' statistics stay exact
+    (tests/core/test_batch_exactness.py)."""
+    log_prefix = log_rho.cumsum(-1) - log_rho
+    return torch.exp(-log_prefix.abs()) * mask

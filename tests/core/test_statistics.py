@@ -359,3 +359,18 @@ def test_is_ess_of_the_full_sequence_weights():
     huge = logp.clone()
     huge[0] -= 400.0  # W_0 = e^1200: no overflow, the ESS of one dominant weight among 2
     assert float(kl_term(logp, ref, mask, old_logp=huge).is_ess) == pytest.approx(0.5, rel=1e-12)
+
+
+def test_off_policy_task_weight_is_one_on_policy_and_falls_with_the_prefix_weight():
+    """f_t = exp(-|log w_{1:t-1}|) (reductions.off_policy_task_weight): 1 at the first token and on-policy, symmetric in
+    log w, zero at padding; a function of the row alone (its exactness: the off-policy task cases of
+    tests/core/test_batch_exactness.py)."""
+    from kl_adapters.reductions import off_policy_task_weight
+
+    log_rho = torch.tensor([[0.5, -1.0, 0.25, 2.0], [-0.5, 1.0, -0.25, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    f = off_policy_task_weight(log_rho, mask)
+    prefix = torch.tensor([[0.0, 0.5, -0.5, -0.25], [0.0, -0.5, 0.5, 0.25]], dtype=torch.float64)
+    assert torch.allclose(f, torch.exp(-prefix.abs()) * mask, rtol=0, atol=1e-15)
+    assert torch.equal(f[0], torch.exp(-torch.tensor([0.0, 0.5, 0.5, 0.0], dtype=torch.float64)) * mask[0])
+    assert torch.equal(off_policy_task_weight(torch.zeros(2, 4, dtype=torch.float64), mask), mask)

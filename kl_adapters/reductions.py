@@ -38,7 +38,8 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
   2. The joint fit: with the other rows' returns from t given they reached t (P: the preset's, Q = sum_{s>t} xi_s,
      H = sum_{s>t} eta_s, importance-weighted relative to t where the preset's return is) and the task in KL units,
      y = P - alpha~ (alpha~ = A / beta, its shift over the other rows removed; with TaskAdvantages.normalized also its
-     scale, see there; with importance-weighted returns each row's alpha~ weighted by `off_policy_task_weight`), (rho_xi, rho_eos, delta, lambda) minimise sum over the other rows' tokens of
+     scale, see there; with importance-weighted returns each row's alpha~ weighted by `off_policy_task_weight`),
+     (rho_xi, rho_eos, delta, lambda) minimise sum over the other rows' tokens of
      omega (y + rho_xi a~ Q - rho_eos kappa H + delta D + lambda Pi - m_t)^2 with a free mean m_t per position (least
      squares, clamped to [0, 1]: each rho scales a KL-optimal control variate down to what the task leaves
      uncancelled); omega = (1 - pi(y_t))^2 is the squared norm of the token's logit score e_y - pi without the rest of
@@ -284,8 +285,8 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     as for `full`, whose future control variate is the resampling one); counts: the rows' own `termination_counts`
     (the H channel's nu; None: no EndOfSequence), returned as eos_count; task_weight [B, T]: the weight at which each
     row's shift-free advantages enter the fit (a function of that row alone, zero at padding; None: 1,
-    `off_policy_task_weight`). Off-policy the returns are already relative to t (`relative_returns`) and the tokens are not reweighted:
-    weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
+    `off_policy_task_weight`). Off-policy the returns are already relative to t (`relative_returns`) and the tokens
+    are not reweighted: weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
     measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
     the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in
     float64 whatever the working dtype (the leave-one-out sums are group totals minus the row's own terms, whose

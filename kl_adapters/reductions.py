@@ -200,8 +200,14 @@ def termination_increments(eos: EndOfSequence, mask: Tensor, dtype: torch.dtype,
     current p_t itself. tests/core/test_termination.py."""
     real = mask if mask.dtype == torch.bool else mask != 0
     nu = termination_counts(eos, real, dtype, discount) if counts is None else counts
-    p = torch.where(real, eos.prob.detach().to(dtype), 0.0)
-    return nu * (p - as_float(eos.is_eos & real, dtype))
+    return increments_from_counts(nu, torch.where(real, eos.prob.detach().to(dtype), 0.0), eos.is_eos)
+
+
+def increments_from_counts(counts: Tensor, prob: Tensor, is_eos: Tensor) -> Tensor:
+    """eta_t = nu_t (p_t - e_t) from counts nu (zero at padding), p_t (finite everywhere, in the working dtype) and
+    is_eos: zero at padding whatever p and e hold there. The loss's form (surrogate._terms) and
+    `termination_increments`'."""
+    return counts * (prob - as_float(is_eos, counts.dtype))
 
 
 def past_kl(k1: Tensor, mask: Tensor) -> Tensor:

@@ -31,8 +31,8 @@ from ._validate import (check_beta, check_discount, check_eos, check_group, chec
                         check_statistics, check_statistics_options, check_task, checked_batch, eos_rule)
 from .estimators import as_float, reverse_cumsum, working_dtype
 from .presets import Preset, Terms, get_preset
-from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, sampled_token_statistics,
-                         termination_counts)
+from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, increments_from_counts,
+                         sampled_token_statistics, termination_counts)
 
 
 def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None,
@@ -82,7 +82,7 @@ def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None
     counts = eta = None
     if eos is not None:  # given statistics carry the counts (computed at rollout time): no transcendental function here
         counts = termination_counts(eos, m, dtype, discount) if stats is None else stats.eos_count
-        eta = counts * (finite(eos.prob.detach()) - as_float(eos.is_eos, dtype))  # counts: zero at padding
+        eta = increments_from_counts(counts, finite(eos.prob.detach()), eos.is_eos)
     return lp, Terms(k1=k1, log_rho=log_rho, mask=mf, is_clip=is_clip, statistics=stats, on_policy=old_logp is None,
                      logp=lp_d, eta=eta, eos_count=counts, task=task, discount=discount)
 

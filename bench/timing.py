@@ -6,6 +6,7 @@ Numbers in bench/results/ come only from `write_result`, so every figure carries
 from __future__ import annotations
 
 import json
+import random
 import shlex
 import statistics
 import sys
@@ -39,12 +40,20 @@ def alternating(fns: dict[str, Callable[[], object]], *, repeats: int, warmup: i
 
 
 def compare(times: dict[str, list[float]], baseline: str, candidate: str) -> dict:
-    """Median per configuration, the ratio of the medians (candidate / baseline), and the median of the per-round
-    ratios; every timing is kept."""
+    """Median per configuration, the ratio of the medians (candidate / baseline), the median of the per-round
+    ratios and its 95% bootstrap interval (`median_interval`: "within noise" = it contains 1); every timing is kept."""
     med = {c: statistics.median(t) for c, t in times.items()}
     rounds = [b / a for a, b in zip(times[baseline], times[candidate])]
     return {"median_s": med, "n": {c: len(t) for c, t in times.items()}, "ratio": med[candidate] / med[baseline],
-            "median_paired_ratio": statistics.median(rounds), "times_s": times}
+            "median_paired_ratio": statistics.median(rounds), "paired_ratio_ci95": median_interval(rounds),
+            "times_s": times}
+
+
+def median_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of the median of `values` (resampled with replacement, seeded)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
 def write_result(name: str, data: dict) -> Path:

@@ -6,7 +6,8 @@ Two measurements on the same tiny random Llama, CPU (or CUDA with --device cuda)
                  backward (no optimizer step, so both trainers keep the initial weights and, seeded alike each round,
                  generate the very same completions: equal work apart from the KL term)
 The two trainers alternate call by call (ABBA); the medians, their ratio and the median per-round ratio are reported.
-Usage: .venvs/trl/bin/python bench/trl_step_overhead.py [--repeats 40] [--device cpu|cuda] [--hidden 64]
+Usage: .venvs/trl/bin/python bench/trl_step_overhead.py [--repeats 40] [--device cpu|cuda] [--hidden 64] [--layers 2]
+       [--completion-length 32] [--name NAME]
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from kl_adapters.tiny_models import save_tiny_model  # noqa: E402
 NATIVE, ADAPTER = "native", "kl_adapters_sequence"
 
 
-def build(model_dir: str, preset: str | None, device: str) -> GRPOTrainer:
+def build(model_dir: str, preset: str | None, device: str, completion_length: int) -> GRPOTrainer:
     args = KLGRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=device == "cpu", bf16=False, beta=0.04,
-                        per_device_train_batch_size=8, num_generations=8, max_completion_length=32,
+                        per_device_train_batch_size=8, num_generations=8, max_completion_length=completion_length,
                         logging_steps=1, report_to="none", save_strategy="no", seed=0,
                         gradient_checkpointing=False, kl_preset=preset or "off", disable_tqdm=True)
     dataset = Dataset.from_dict({"prompt": [f"q{i}: say a" for i in range(512)]})
@@ -73,14 +74,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--completion-length", type=int, default=32)
+    parser.add_argument("--name", default=None, help="bench/results/<name>.json (default trl_step_overhead_<device>)")
     a = parser.parse_args()
     sync = torch.cuda.synchronize if a.device == "cuda" else None
     if a.device == "cpu":
         torch.set_num_threads(1)  # as the other benchmarks: reproducible, and fair on a shared machine
-    model_dir = str(save_tiny_model(tempfile.mkdtemp(), hidden=a.hidden))
-    trainers = {name: build(model_dir, preset, a.device) for name, preset in
+    model_dir = str(save_tiny_model(tempfile.mkdtemp(), hidden=a.hidden, layers=a.layers,
+                                    max_positions=max(128, 64 + a.completion_length)))
+    trainers = {name: build(model_dir, preset, a.device, a.completion_length) for name, preset in
                 ((NATIVE, None), (ADAPTER, "sequence"))}
-    result = {"model": f"tiny Llama, hidden {a.hidden}, 2 layers", "batch": "8 sequences x 32 completion tokens",
+    result = {"model": f"tiny Llama, hidden {a.hidden}, {a.layers} layers",
+              "batch": f"8 sequences x {a.completion_length} completion tokens",
               "beta": 0.04, "threads": torch.get_num_threads(), "repeats": a.repeats}
     result["loss_backward"] = compare(alternating({n: loss_backward_fn(t) for n, t in trainers.items()},
                                                   repeats=a.repeats, sync=sync), NATIVE, ADAPTER)
@@ -90,7 +96,7 @@ def main() -> None:
     lengths = {n: [round(x, 3) for x in t._metrics["train"]["completions/mean_length"]] for n, t in trainers.items()}
     assert lengths[NATIVE] == lengths[ADAPTER], "both trainers must generate the same completions"
     result["train_step"]["completion_mean_length"] = sum(lengths[NATIVE]) / len(lengths[NATIVE])
-    path = write_result(f"trl_step_overhead_{a.device}", result)
+    path = write_result(a.name or f"trl_step_overhead_{a.device}", result)
     print(path.read_text())
 
 

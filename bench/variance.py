@@ -18,7 +18,9 @@ exact per-state KL. Per cell (T, G, drift, regime): over n_batches independent b
     ratio = tr Cov[g_preset] / tr Cov[g_token]  (same samples), with a delta-method standard error,
     bias  = |mean g - grad KL_seq| / |grad KL_seq|, with se = sqrt(tr Cov[g] / n_batches) / |grad KL_seq|:
 the norm of the Monte Carlo error of the mean in V^2 dimensions, so an unbiased preset shows bias ~ se and a biased
-one bias >> se.
+one bias >> se; and for a reduced preset, paired with its plain form on the same batches (`plain_of`; "KL vs plain"),
+    plain_ratio = mean |g_preset - grad KL_seq|^2 / mean |g_plain - grad KL_seq|^2, with a delta-method standard error
+(the two errors are correlated batch by batch, so this is far tighter than the two traces' separate errors).
 Task + KL (--task SCALE > 0): the gradient a trainer takes. A task reward R(y) = SCALE * (number of tokens 0 in y),
 GRPO's advantages A_j = R_j - the batch mean, the reduced presets' statistics fitted with them (TaskAdvantages with
 beta = --beta), and per batch the ascent direction
@@ -66,6 +68,12 @@ BENCH_PRESETS = ("sequence", "reward", "sequence-plain", "reward-plain", "token"
 REFERENCE = "token"
 #: the floor of task + KL: every reduced preset's total_ratio is its trained gradient's variance relative to this one
 TOTAL_REFERENCE = "sequence-plain"
+
+
+def plain_of(preset: str) -> str | None:
+    """The unreduced form a reduced preset must not be noisier than (`full`, with no plain form of its own, against
+    sequence-plain, the floor of task + KL); None for a preset that is not reduced."""
+    return {"sequence": TOTAL_REFERENCE, "full": TOTAL_REFERENCE, "reward": "reward-plain"}.get(preset)
 
 
 @dataclass(frozen=True)
@@ -366,6 +374,9 @@ def run_grid(args: argparse.Namespace) -> list[dict]:
                        **m.summary(), "ratio": m.summary()["trace"] / ref.summary()["trace"], "ratio_se": ratio_se,
                        "ratio_of_mean_sq_dist": ratio, "kl_seq": kl, "reward": reward, "mean_length": mean_len,
                        "n_sequences": n, "seconds_all_groups_presets": seconds}
+                if plain_of(p) in args.presets:  # paired on the same batches: far tighter than two traces' se
+                    row["plain_ratio"], row["plain_ratio_se"] = ratio_with_se(torch.cat(m.dist), torch.cat(
+                        moments[(g, plain_of(p))].dist))
                 if args.task:
                     mine, plain = totals[(g, p)].summary(), totals[(g, TOTAL_REFERENCE)].summary()
                     row.update(total_trace=mine["trace"], total_bias=mine["bias"], total_bias_se=mine["bias_se"],
@@ -410,7 +421,8 @@ def run_micro(args: argparse.Namespace) -> list[dict]:
 
 def grid_table(rows: list[dict], presets: list[str], short: bool = False) -> str:
     """One line per (drift, regime, state, G, T): each preset's ratio to token, then (with a task) each preset's task
-    + KL ratio to sequence-plain, then each preset's bias / se (short: ratios of the two largest G only)."""
+    + KL ratio to sequence-plain, then each reduced preset's paired KL ratio to its plain form (`plain_of`), then each
+    preset's bias / se (short: ratios of the two largest G only)."""
     head = (f"{'drift':>6} {'reg':>4} {'st':>4} {'G':>3} {'T':>5} {'batches':>7} | "
             + " ".join(f"{p[:13]:>13}" for p in presets))
     out = ["ratio = tr Cov[g] / tr Cov[g_token] (+- se) of the KL term; task+KL = tr Cov[g_total] / tr Cov[g_total of "
@@ -427,6 +439,10 @@ def grid_table(rows: list[dict], presets: list[str], short: bool = False) -> str
         if "total_ratio" in cells[0]:
             out.append(f"{'':>6} {'':>4} {'':>4} {'':>3} {'task+KL':>13} | "
                        + " ".join(f"{c['total_ratio']:>7.3g}±{c['total_ratio_se']:<5.2g}" for c in cells))
+        if not short and any("plain_ratio" in c for c in cells):
+            out.append(f"{'':>6} {'':>4} {'':>4} {'':>3} {'KL vs plain':>13} | " + " ".join(
+                f"{c['plain_ratio']:>7.3g}±{c['plain_ratio_se']:<5.2g}" if "plain_ratio" in c else f"{'':>13}"
+                for c in cells))
         if not short:
             out.append(f"{'':>6} {'':>4} {'':>4} {'':>3} {'bias':>13} | "
                        + " ".join(f"{c['bias']:>7.2g}/{c['bias'] / c['bias_se']:<5.2g}" for c in cells))
@@ -472,11 +488,13 @@ def targets_report(rows: list[dict]) -> str:
     out.append("2. reduced <= plain in every cell (sequence and full vs sequence-plain, reward vs reward-plain; KL term"
                " alone, and task + KL where measured)")
     for (t, g, d, reg, st, p), r in sorted(by.items()):
-        plain = by.get((t, g, d, reg, st, "reward-plain" if p == "reward" else TOTAL_REFERENCE))
-        if p in ("sequence", "reward", "full") and plain is not None:
+        plain = by.get((t, g, d, reg, st, plain_of(p))) if plain_of(p) else None
+        if plain is not None:
             where = f"{p:<9} T={t:<5} G={g:<3} drift={d:<5g} {reg:>3} state={st:<4}"
+            paired = (f" (paired mean squared error ratio {r['plain_ratio']:.3g} +- {r['plain_ratio_se']:.2g})"
+                      if "plain_ratio" in r else "")
             out.append(f"   {verdict(r['ratio'] <= plain['ratio'])} {where} KL: {r['ratio']:.3g} vs plain "
-                       f"{plain['ratio']:.3g}")
+                       f"{plain['ratio']:.3g}{paired}")
             if "total_ratio" in r:
                 out.append(f"   {verdict(r['total_ratio'] <= plain['total_ratio'])} {where} task+KL: "
                            f"{r['total_ratio']:.3g} vs plain {plain['total_ratio']:.3g}")

@@ -72,6 +72,14 @@ def test_grid_smoke_ratios_and_bias():
             assert r["ratio"] == pytest.approx(1.0)
         else:
             assert r["bias"] < 5 * r["bias_se"], r  # unbiased on- and off-policy
+        if r["preset"] in ("sequence", "full"):  # paired on the same batches against sequence-plain
+            assert r["plain_ratio_se"] >= 0
+            if r["preset"] == "sequence" and r["G"] == 1:  # no other rows: sequence is sequence-plain
+                assert r["plain_ratio"] == pytest.approx(1.0) and r["plain_ratio_se"] == pytest.approx(0.0, abs=1e-12)
+        else:
+            assert "plain_ratio" not in r
+    assert "KL vs plain" in variance.grid_table(rows, args.presets)
+    assert "paired mean squared error ratio" in variance.targets_report(rows)
 
 
 def test_task_mode_smoke():

@@ -55,8 +55,9 @@ from ._validate import (check_batch, check_beta, check_discount, check_eos, chec
                         check_statistics_options, check_task, eos_rule)
 from .estimators import as_float, capped, reverse_cumsum, working_dtype
 from .presets import FULL
-from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, others_sum_, past_kl,
-                         relative_returns, same_group, score_weight, termination_counts, termination_increments)
+from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics,
+                         off_policy_baseline_fade, others_sum_, past_kl, relative_returns, same_group, score_weight,
+                         termination_counts, termination_increments)
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
@@ -131,8 +132,9 @@ def _statistics(kl: Tensor, k1: Tensor, logp: Tensor, log_rho: Tensor, mask: Ten
 def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, statistics: KLStatistics,
                       eta: Tensor | None = None, discount: float = 1.0) -> tuple[Tensor, Tensor]:
     """The detached weights of `full` on a [B, T] batch: (pathwise weight w_{1:t-1} on grad KL_t, score weight
-    sum_{s>t} w_{1:s-1} KL_s + sum_{s>t} (a (w_{1:s} k1_s - w_{1:s-1} KL_s) + h w_{1:s} eta_s) + w_{1:t}
-    (lambda Pi_t - m_t) on g_t), both zero at padding (reductions.py: the control variates and the baseline).
+    sum_{s>t} w_{1:s-1} KL_s + sum_{s>t} (a (w_{1:s} k1_s - w_{1:s-1} KL_s) + h w_{1:s} eta_s) + w_{1:t} u_t
+    (lambda Pi_t - m_t) on g_t), both zero at padding (reductions.py: the control variates and the baseline; u_t =
+    `off_policy_baseline_fade`, 1 on-policy).
 
     kl: exact per-token KL_t; k1: log pi/pi_ref at the sampled tokens; log_rho: log pi/mu there (zeros on-policy);
     mask: 0/1 in kl's dtype; eta: `reductions.termination_increments` or None; discount: gamma of the future terms
@@ -143,8 +145,8 @@ def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, sta
     future_kl = discount * reverse_cumsum(w * _next(kl * mask), discount)  # sum_{s>t} gamma^(s-t) w_{1:s-1} KL_s
     future_k1 = reverse_cumsum(w * k1, discount) - w * k1  # sum_{s>t} gamma^(s-t) w_{1:s} k1_s
     a = statistics.cv_coef[:, None]
-    score = future_kl + a * (future_k1 - future_kl) + w * (statistics.past_coef[:, None] * past_kl(k1, mask)
-                                                           - statistics.baseline)
+    baseline = statistics.past_coef[:, None] * past_kl(k1, mask) - statistics.baseline
+    score = future_kl + a * (future_k1 - future_kl) + w * off_policy_baseline_fade(log_rho * mask, mask) * baseline
     if eta is not None:
         score = score + statistics.eos_coef[:, None] * (reverse_cumsum(w * eta, discount) - w * eta)
     return _path_weights(log_w, mask), score * mask

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .estimators import capped, reverse_cumsum
-from .reductions import KLStatistics, TaskAdvantages, control_variate
+from .reductions import KLStatistics, TaskAdvantages, control_variate, off_policy_baseline_fade
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
 TARGET_NAMES = ("kl_seq", "partial_reverse", "partial_forward", "zero", "kl_seq_minus_partial_forward")
@@ -177,10 +177,13 @@ def _reductions(t: Terms) -> tuple[Tensor, Tensor]:
 
 
 def _sequence(t: Terms) -> Tensor:
-    # c_t = sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a xi_s + h eta_s) + w_{1:t} (lambda Pi_t - m_t): the plain
-    # weight with the control variates and the baseline (reductions.py); same expectation, on- and off-policy.
+    # c_t = sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a xi_s + h eta_s) + w_{1:t} u_t (lambda Pi_t - m_t): the plain
+    # weight with the control variates and the baseline (reductions.py), u_t = `off_policy_baseline_fade` (1
+    # on-policy); same expectation, on- and off-policy.
     # (On-policy the second term is not zero at padding: the weight's callers multiply it by the mask.)
     cv, minus_baseline = _reductions(t)
+    if not t.on_policy:
+        minus_baseline = minus_baseline * off_policy_baseline_fade(t.log_rho, t.mask)
     return t.to_go(_weighted(t, t.k1 + cv)) - _weighted(t, cv + minus_baseline)
 
 

@@ -16,14 +16,16 @@ import torch
 from kl_adapters import SAMPLED_TOKEN_PRESETS, kl_coefficients, kl_statistics
 from kl_adapters.audit import batch_moments, preset_moments, random_policies, relative_error, targets, token_logps
 
-PROBLEMS = [(3, 3, 0, 1.0), (3, 3, 1, 0.2), (4, 2, 2, 0.6)]  # (vocab incl. EOS, horizon, seed, drift): ragged lengths
+#: (vocab incl. EOS, horizon, seed, drift, behaviour's gap per logit): ragged lengths; the last with prefix weights far
+#: outside e^(+-2), where the off-policy baseline fade (reductions.off_policy_baseline_fade) is below 1
+PROBLEMS = [(3, 3, 0, 1.0, 0.6), (3, 3, 1, 0.2, 0.6), (4, 2, 2, 0.6, 0.6), (3, 3, 3, 0.6, 2.0)]
 REDUCED = [n for n, p in SAMPLED_TOKEN_PRESETS.items() if p.uses_batch_statistics]
 
 
-@pytest.fixture(scope="module", params=PROBLEMS, ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}d{p[3]}")
+@pytest.fixture(scope="module", params=PROBLEMS, ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}d{p[3]}o{p[4]}")
 def problem(request):
-    vocab, horizon, seed, drift = request.param
-    pol = random_policies(vocab, horizon, seed, drift=drift, off_policy=0.6)
+    vocab, horizon, seed, drift, off_policy = request.param
+    pol = random_policies(vocab, horizon, seed, drift=drift, off_policy=off_policy)
     tg = {"on-policy": targets(pol.space, pol.logits, pol.ref_logits, pol.logits)["kl_seq"],
           "off-policy": targets(pol.space, pol.logits, pol.ref_logits, pol.behaviour_logits)["kl_seq"]}
     return pol, tg

@@ -14,13 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kl_adapters.audit import kl_seq, random_policies, relative_error, targets, task_and_eos, token_logps
 from kl_adapters.full_vocab import full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics
 
-PROBLEMS = [(3, 3, 0, 1.0), (3, 3, 1, 0.2), (4, 2, 2, 0.6)]  # (vocab incl. EOS, horizon, seed, drift)
+#: (vocab incl. EOS, horizon, seed, drift, behaviour's gap per logit); the last with prefix weights outside e^(+-2)
+#: (the off-policy baseline fade below 1)
+PROBLEMS = [(3, 3, 0, 1.0, 0.6), (3, 3, 1, 0.2, 0.6), (4, 2, 2, 0.6, 0.6), (3, 3, 3, 0.6, 2.0)]
 
 
-@pytest.fixture(scope="module", params=PROBLEMS, ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}d{p[3]}")
+@pytest.fixture(scope="module", params=PROBLEMS, ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}d{p[3]}o{p[4]}")
 def problem(request):
-    vocab, horizon, seed, drift = request.param
-    return random_policies(vocab, horizon, seed, drift=drift, off_policy=0.6)
+    vocab, horizon, seed, drift, off_policy = request.param
+    return random_policies(vocab, horizon, seed, drift=drift, off_policy=off_policy)
 
 
 def _expected_gradient(pol, size, regime, precomputed=False, with_logp=False, task=False, discount=1.0):

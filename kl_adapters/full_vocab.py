@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_statistics,
                         check_statistics_options, check_task, eos_rule)
-from .estimators import as_float, capped, reverse_cumsum, working_dtype
+from .estimators import as_float, capped, reverse_cumsum, shift_right, working_dtype
 from .presets import FULL
 from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics,
                          off_policy_baseline_fade, others_sum_, past_kl, relative_returns, same_group, score_weight,
@@ -67,11 +67,6 @@ CHUNK_SIZE = 256
 #: low-precision logits, e.g. 0.23 for bf16 logits of size 30); a temperature applied to one and not the other
 #: differs by a fraction of log p itself
 LOGP_TOLERANCE = (0.01, 0.02)
-
-
-def _shift_right(x: Tensor, fill: float) -> Tensor:
-    """y_t = x_{t-1}, y_1 = fill, along the last dimension."""
-    return torch.cat([torch.full_like(x[..., :1], fill), x[..., :-1]], -1)
 
 
 def _next(x: Tensor) -> Tensor:
@@ -145,16 +140,17 @@ def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, sta
     future_kl = discount * reverse_cumsum(w * _next(kl * mask), discount)  # sum_{s>t} gamma^(s-t) w_{1:s-1} KL_s
     future_k1 = reverse_cumsum(w * k1, discount) - w * k1  # sum_{s>t} gamma^(s-t) w_{1:s} k1_s
     a = statistics.cv_coef[:, None]
+    path = _path_weights(log_w, mask)
     baseline = statistics.past_coef[:, None] * past_kl(k1, mask) - statistics.baseline
-    score = future_kl + a * (future_k1 - future_kl) + w * off_policy_baseline_fade(log_rho * mask, mask) * baseline
+    score = future_kl + a * (future_k1 - future_kl) + w * off_policy_baseline_fade(path) * baseline
     if eta is not None:
         score = score + statistics.eos_coef[:, None] * (reverse_cumsum(w * eta, discount) - w * eta)
-    return _path_weights(log_w, mask), score * mask
+    return path, score * mask
 
 
 def _path_weights(log_w: Tensor, mask: Tensor) -> Tensor:
     """w_{1:t-1} = exp(sum_{s<t} log rho_s) at real tokens (1 on-policy), from log_w = cumsum of the masked log rho."""
-    return torch.exp(capped(_shift_right(log_w, 0.0))) * mask
+    return torch.exp(capped(shift_right(log_w, 0.0))) * mask
 
 
 def _check_full_inputs(logits_shape: torch.Size, ref_shape: torch.Size, tokens: Tensor, mask: Tensor,

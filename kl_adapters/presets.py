@@ -29,7 +29,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .estimators import capped, reverse_cumsum
+from .estimators import capped, reverse_cumsum, shift_right
 from .reductions import KLStatistics, TaskAdvantages, control_variate, off_policy_baseline_fade
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
@@ -183,7 +183,7 @@ def _sequence(t: Terms) -> Tensor:
     # (On-policy the second term is not zero at padding: the weight's callers multiply it by the mask.)
     cv, minus_baseline = _reductions(t)
     if not t.on_policy:
-        minus_baseline = minus_baseline * off_policy_baseline_fade(t.log_rho, t.mask)
+        minus_baseline = minus_baseline * off_policy_baseline_fade(shift_right(t.prefix_weights, 1.0))
     return t.to_go(_weighted(t, t.k1 + cv)) - _weighted(t, cv + minus_baseline)
 
 

@@ -545,15 +545,18 @@ def off_policy_task_weight(log_rho: Tensor, mask: Tensor) -> Tensor:
     horizons far worse, and the exact frame change (A / w_{1:t-1}) up to 24x (bench/variance.py off-policy grids,
     docs/variance.md). A function of the row alone: other rows' statistics stay exact
     (tests/core/test_batch_exactness.py)."""
-    return prefix_fade(log_rho, mask, 1.0)
+    log_prefix = log_rho.cumsum(-1) - log_rho
+    return torch.exp(-log_prefix.abs()) * mask
 
 
-def off_policy_baseline_fade(log_rho: Tensor, mask: Tensor) -> Tensor:
-    """u_t = exp(-max(0, |log w_{1:t-1}| - BASELINE_FREE_LOG_WEIGHT)) at real tokens, 0 at padding: the factor on the
-    row's own baseline term w_{1:t} (lambda_b Pi_t - m_{b,t}) in the presets with importance-weighted returns
-    (`sequence`, `full`) off-policy; 1 while the prefix weight is within e^(+-4) of 1 (on-policy: always).
-    A function of y_<t: the baseline stays admissible, E_mu[w_{1:t} g_t u_t b | y_<t] = u_t w_{1:t-1} b E_pi[g_t | y_<t]
-    = 0, so the expected gradient is unchanged (tests/core/test_batch_exactness.py, tests/core/test_full_vocab.py).
+def off_policy_baseline_fade(prefix: Tensor) -> Tensor:
+    """u_t = min(1, e^4 min(W_t, 1 / W_t)) = exp(-max(0, |log W_t| - BASELINE_FREE_LOG_WEIGHT)) for W_t = w_{1:t-1}
+    (prefix [B, T], >= 0; the weight of the prefix before t, as the preset computes it, capped and clipped alike): the
+    factor on the row's own baseline term w_{1:t} (lambda_b Pi_t - m_{b,t}) in the presets with importance-weighted
+    returns (`sequence`, `full`) off-policy; 1 while the prefix weight is within e^(+-4) of 1 (on-policy: always),
+    0 where W = 0 (padding). A function of y_<t: the baseline stays admissible, E_mu[w_{1:t} g_t u_t b | y_<t] =
+    u_t w_{1:t-1} b E_pi[g_t | y_<t] = 0, so the expected gradient is unchanged (tests/core/test_batch_exactness.py,
+    tests/core/test_full_vocab.py). Four elementwise passes over [B, T], no exp or log (cost: bench/kl_term_cost.py).
     Why: the baseline is fitted to the other rows' returns relative to t, unweighted, while a row's gradient weighs it
     by w_{1:t}; far off-policy the variance is carried by the rare rows whose prefix weight has left 1 by orders of
     magnitude, and for them the fitted baseline (lambda Pi_t - m_t together: either alone is worse) added variance:
@@ -561,11 +564,5 @@ def off_policy_baseline_fade(log_rho: Tensor, mask: Tensor) -> Tensor:
     `sequence-plain`'s, 0.97 with lambda and m zeroed, 1.00 with this fade. Fading every row (exp(-r |log w_{1:t-1}|),
     r = 1/4) or from e^(+-2) on cost up to 0.16 in other cells of the off-policy grid; from e^(+-4) on, T <= 1024 is
     unchanged within its standard errors (docs/variance.md)."""
-    return prefix_fade(log_rho, mask, 1.0, BASELINE_FREE_LOG_WEIGHT)
-
-
-def prefix_fade(log_rho: Tensor, mask: Tensor, rate: float, free: float = 0.0) -> Tensor:
-    """exp(-rate max(0, |log w_{1:t-1}| - free)) at real tokens, 0 at padding (log_rho zero at padding): 1 where the
-    prefix weight is within e^(+-free) of 1, falling as it leaves that band in either direction; a function of y_<t."""
-    log_prefix = log_rho.cumsum(-1) - log_rho
-    return torch.exp(log_prefix.abs().sub_(free).clamp_(min=0.0).mul_(-rate)) * mask
+    fade = torch.reciprocal(prefix)
+    return torch.minimum(fade, prefix, out=fade).mul_(math.exp(BASELINE_FREE_LOG_WEIGHT)).clamp_(max=1.0)

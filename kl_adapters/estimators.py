@@ -71,8 +71,3 @@ def reverse_cumsum(x: Tensor, discount: float = 1.0) -> Tensor:
         out[..., k, :] = within[..., k, :] + tail * carry[..., None]
         carry = out[..., k, 0]
     return out.flatten(-2)[..., :width]
-
-
-def shift_right(x: Tensor, fill: float) -> Tensor:
-    """y_t = x_{t-1}, y_1 = fill, along the last dimension (e.g. w_{1:t-1} from w_{1:t})."""
-    return torch.cat([torch.full_like(x[..., :1], fill), x[..., :-1]], -1)

@@ -53,11 +53,11 @@ from torch import Tensor
 
 from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_statistics,
                         check_statistics_options, check_task, eos_rule)
-from .estimators import as_float, capped, reverse_cumsum, shift_right, working_dtype
+from .estimators import as_float, capped, reverse_cumsum, working_dtype
 from .presets import FULL
-from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics,
-                         off_policy_baseline_fade, others_sum_, past_kl, relative_returns, same_group, score_weight,
-                         termination_counts, termination_increments)
+from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, fade_baseline_,
+                         others_sum_, past_kl, relative_returns, same_group, score_weight, termination_counts,
+                         termination_increments)
 
 #: default number of tokens per chunk (peak extra memory about 6 x chunk_size x V x 4 bytes); at V = 32000, 256 measured
 #: 363 MB peak against 1024's 1346 MB, in 4.7 s against 4.2 s (bench/results/full_cost_cpu_kl_term*.json)
@@ -67,6 +67,11 @@ CHUNK_SIZE = 256
 #: low-precision logits, e.g. 0.23 for bf16 logits of size 30); a temperature applied to one and not the other
 #: differs by a fraction of log p itself
 LOGP_TOLERANCE = (0.01, 0.02)
+
+
+def _shift_right(x: Tensor, fill: float) -> Tensor:
+    """y_t = x_{t-1}, y_1 = fill, along the last dimension."""
+    return torch.cat([torch.full_like(x[..., :1], fill), x[..., :-1]], -1)
 
 
 def _next(x: Tensor) -> Tensor:
@@ -129,28 +134,28 @@ def full_coefficients(kl: Tensor, k1: Tensor, log_rho: Tensor, mask: Tensor, sta
     """The detached weights of `full` on a [B, T] batch: (pathwise weight w_{1:t-1} on grad KL_t, score weight
     sum_{s>t} w_{1:s-1} KL_s + sum_{s>t} (a (w_{1:s} k1_s - w_{1:s-1} KL_s) + h w_{1:s} eta_s) + w_{1:t} u_t
     (lambda Pi_t - m_t) on g_t), both zero at padding (reductions.py: the control variates and the baseline; u_t =
-    `off_policy_baseline_fade`, 1 on-policy).
+    `fade_baseline_`, 1 on-policy).
 
     kl: exact per-token KL_t; k1: log pi/pi_ref at the sampled tokens; log_rho: log pi/mu there (zeros on-policy);
     mask: 0/1 in kl's dtype; eta: `reductions.termination_increments` or None; discount: gamma of the future terms
     (sum_{s>t} gamma^(s-t) ...; 1 = exact).
     """
     log_w = (log_rho * mask).cumsum(-1)
-    w = torch.exp(capped(log_w)) * mask
+    running = torch.exp(capped(log_w))  # w_{1:t} at every position (a masked one carries the weight before it)
+    w = running * mask
     future_kl = discount * reverse_cumsum(w * _next(kl * mask), discount)  # sum_{s>t} gamma^(s-t) w_{1:s-1} KL_s
     future_k1 = reverse_cumsum(w * k1, discount) - w * k1  # sum_{s>t} gamma^(s-t) w_{1:s} k1_s
     a = statistics.cv_coef[:, None]
-    path = _path_weights(log_w, mask)
-    baseline = statistics.past_coef[:, None] * past_kl(k1, mask) - statistics.baseline
-    score = future_kl + a * (future_k1 - future_kl) + w * off_policy_baseline_fade(path) * baseline
+    baseline = fade_baseline_(statistics.past_coef[:, None] * past_kl(k1, mask) - statistics.baseline, running)
+    score = future_kl + a * (future_k1 - future_kl) + w * baseline
     if eta is not None:
         score = score + statistics.eos_coef[:, None] * (reverse_cumsum(w * eta, discount) - w * eta)
-    return path, score * mask
+    return _path_weights(log_w, mask), score * mask
 
 
 def _path_weights(log_w: Tensor, mask: Tensor) -> Tensor:
     """w_{1:t-1} = exp(sum_{s<t} log rho_s) at real tokens (1 on-policy), from log_w = cumsum of the masked log rho."""
-    return torch.exp(capped(shift_right(log_w, 0.0))) * mask
+    return torch.exp(capped(_shift_right(log_w, 0.0))) * mask
 
 
 def _check_full_inputs(logits_shape: torch.Size, ref_shape: torch.Size, tokens: Tensor, mask: Tensor,

@@ -29,8 +29,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .estimators import capped, reverse_cumsum, shift_right
-from .reductions import KLStatistics, TaskAdvantages, control_variate, off_policy_baseline_fade
+from .estimators import capped, reverse_cumsum
+from .reductions import KLStatistics, TaskAdvantages, control_variate, fade_baseline_
 
 #: Exact expected-gradient targets the audit can compute (see audit.TARGETS for their definitions).
 TARGET_NAMES = ("kl_seq", "partial_reverse", "partial_forward", "zero", "kl_seq_minus_partial_forward")
@@ -93,18 +93,25 @@ class Terms:
 
     @cached_property
     def prefix_weights(self) -> Tensor:
-        """w_{1:t} = prod_{s<=t} rho_s (per-decision importance weight), capped at is_clip when set (1 on-policy);
-        computed once per Terms (the value and `sequence`'s weight both read it)."""
+        """w_{1:t} = prod_{s<=t} rho_s (per-decision importance weight), capped at is_clip when set (1 on-policy), zero
+        at padding; computed once per Terms (the value and `sequence`'s weight both read it)."""
         if self.on_policy:
             return self.mask
+        return self.running_weights * self.mask
+
+    @cached_property
+    def running_weights(self) -> Tensor:
+        """w_{1:t} as `prefix_weights` (off-policy) at every position: log_rho is zero at padding, so a masked
+        position carries the weight before it (what `reductions.fade_baseline_` reads as w_{1:t-1})."""
         log_w = self.log_rho.cumsum(-1)
         if self.is_clip is not None:
             log_w = log_w.clamp(max=_log(self.is_clip))
-        return torch.exp(capped(log_w)) * self.mask
+        return torch.exp(capped(log_w))
 
 
 #: the Terms fields each cached property of Terms reads
-_CACHED_INPUTS = {"cv": {"k1", "mask"}, "past": {"k1"}, "prefix_weights": {"log_rho", "mask", "is_clip", "on_policy"}}
+_CACHED_INPUTS = {"cv": {"k1", "mask"}, "past": {"k1"}, "prefix_weights": {"log_rho", "mask", "is_clip", "on_policy"},
+                  "running_weights": {"log_rho", "is_clip"}}
 
 
 def _log(x: float) -> float:
@@ -178,12 +185,12 @@ def _reductions(t: Terms) -> tuple[Tensor, Tensor]:
 
 def _sequence(t: Terms) -> Tensor:
     # c_t = sum_{s>=t} w_{1:s} k1_s + sum_{s>t} w_{1:s} (a xi_s + h eta_s) + w_{1:t} u_t (lambda Pi_t - m_t): the plain
-    # weight with the control variates and the baseline (reductions.py), u_t = `off_policy_baseline_fade` (1
-    # on-policy); same expectation, on- and off-policy.
+    # weight with the control variates and the baseline (reductions.py), u_t = `fade_baseline_` (1 on-policy); same
+    # expectation, on- and off-policy.
     # (On-policy the second term is not zero at padding: the weight's callers multiply it by the mask.)
     cv, minus_baseline = _reductions(t)
     if not t.on_policy:
-        minus_baseline = minus_baseline * off_policy_baseline_fade(shift_right(t.prefix_weights, 1.0))
+        fade_baseline_(minus_baseline, t.running_weights)
     return t.to_go(_weighted(t, t.k1 + cv)) - _weighted(t, cv + minus_baseline)
 
 

@@ -76,7 +76,7 @@ JOINT_PRIOR_TOKENS = 4.0
 #: prior weight, in degrees of freedom (other rows' tokens beyond the per-position means), of the plain form against
 #: a row's fitted statistics (`fit_shrinkage`)
 FIT_PRIOR_DOF = 8.0
-#: |log w_{1:t-1}| up to which a row's own baseline term is kept whole off-policy (`off_policy_baseline_fade`)
+#: |log w_{1:t-1}| up to which a row's own baseline term is kept whole off-policy (`fade_baseline_`)
 BASELINE_FREE_LOG_WEIGHT = 4.0
 #: a feature of the joint fit whose centred variance is below this fraction of its raw second moment is left out
 VARIANCE_FLOOR = 1e-6
@@ -549,14 +549,16 @@ def off_policy_task_weight(log_rho: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(-log_prefix.abs()) * mask
 
 
-def off_policy_baseline_fade(prefix: Tensor) -> Tensor:
-    """u_t = min(1, e^4 min(W_t, 1 / W_t)) = exp(-max(0, |log W_t| - BASELINE_FREE_LOG_WEIGHT)) for W_t = w_{1:t-1}
-    (prefix [B, T], >= 0; the weight of the prefix before t, as the preset computes it, capped and clipped alike): the
-    factor on the row's own baseline term w_{1:t} (lambda_b Pi_t - m_{b,t}) in the presets with importance-weighted
-    returns (`sequence`, `full`) off-policy; 1 while the prefix weight is within e^(+-4) of 1 (on-policy: always),
-    0 where W = 0 (padding). A function of y_<t: the baseline stays admissible, E_mu[w_{1:t} g_t u_t b | y_<t] =
+def fade_baseline_(minus_baseline: Tensor, weights: Tensor) -> Tensor:
+    """In place, and returned: minus_baseline_t *= u_t = min(1, e^4 min(W, 1 / W)) = exp(-max(0, |log W| -
+    BASELINE_FREE_LOG_WEIGHT)) with W = w_{1:t-1} = weights_{t-1} (u_1 = 1), for [B, T] `weights` the running prefix
+    weights w_{1:t} at every position (a masked position carries the weight before it; capped and clipped as the preset
+    applies them): the fade of the row's own baseline term w_{1:t} (lambda_b Pi_t - m_{b,t}) in the presets with
+    importance-weighted returns (`sequence`, `full`) off-policy; 1 while the prefix weight is within e^(+-4) of 1
+    (on-policy: always). A function of y_<t: the baseline stays admissible, E_mu[w_{1:t} g_t u_t b | y_<t] =
     u_t w_{1:t-1} b E_pi[g_t | y_<t] = 0, so the expected gradient is unchanged (tests/core/test_batch_exactness.py,
-    tests/core/test_full_vocab.py). Four elementwise passes over [B, T], no exp or log (cost: bench/kl_term_cost.py).
+    tests/core/test_full_vocab.py). Four elementwise passes over [B, T - 1] and one product, no exp or log (cost:
+    bench/kl_term_cost.py).
     Why: the baseline is fitted to the other rows' returns relative to t, unweighted, while a row's gradient weighs it
     by w_{1:t}; far off-policy the variance is carried by the rare rows whose prefix weight has left 1 by orders of
     magnitude, and for them the fitted baseline (lambda Pi_t - m_t together: either alone is worse) added variance:
@@ -564,5 +566,8 @@ def off_policy_baseline_fade(prefix: Tensor) -> Tensor:
     `sequence-plain`'s, 0.97 with lambda and m zeroed, 1.00 with this fade. Fading every row (exp(-r |log w_{1:t-1}|),
     r = 1/4) or from e^(+-2) on cost up to 0.16 in other cells of the off-policy grid; from e^(+-4) on, T <= 1024 is
     unchanged within its standard errors (docs/variance.md)."""
-    fade = torch.reciprocal(prefix)
-    return torch.minimum(fade, prefix, out=fade).mul_(math.exp(BASELINE_FREE_LOG_WEIGHT)).clamp_(max=1.0)
+    before = weights[..., :-1]
+    fade = torch.reciprocal(before)
+    torch.minimum(fade, before, out=fade).mul_(math.exp(BASELINE_FREE_LOG_WEIGHT)).clamp_(max=1.0)
+    minus_baseline[..., 1:].mul_(fade)
+    return minus_baseline

@@ -17,7 +17,7 @@ from kl_adapters import SAMPLED_TOKEN_PRESETS, kl_coefficients, kl_statistics
 from kl_adapters.audit import batch_moments, preset_moments, random_policies, relative_error, targets, token_logps
 
 #: (vocab incl. EOS, horizon, seed, drift, behaviour's gap per logit): ragged lengths; the last with prefix weights far
-#: outside e^(+-2), where the off-policy baseline fade (reductions.off_policy_baseline_fade) is below 1
+#: outside e^(+-4) (to e^7), where the off-policy baseline fade (reductions.fade_baseline_) is below 1
 PROBLEMS = [(3, 3, 0, 1.0, 0.6), (3, 3, 1, 0.2, 0.6), (4, 2, 2, 0.6, 0.6), (3, 3, 3, 0.6, 2.0)]
 REDUCED = [n for n, p in SAMPLED_TOKEN_PRESETS.items() if p.uses_batch_statistics]
 

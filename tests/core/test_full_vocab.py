@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kl_adapters.audit import kl_seq, random_policies, relative_error, targets, task_and_eos, token_logps
 from kl_adapters.full_vocab import full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics
 
-#: (vocab incl. EOS, horizon, seed, drift, behaviour's gap per logit); the last with prefix weights outside e^(+-2)
+#: (vocab incl. EOS, horizon, seed, drift, behaviour's gap per logit); the last with prefix weights outside e^(+-4)
 #: (the off-policy baseline fade below 1)
 PROBLEMS = [(3, 3, 0, 1.0, 0.6), (3, 3, 1, 0.2, 0.6), (4, 2, 2, 0.6, 0.6), (3, 3, 3, 0.6, 2.0)]
 

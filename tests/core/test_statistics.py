@@ -378,10 +378,9 @@ def test_off_policy_task_weight_is_one_on_policy_and_falls_with_the_prefix_weigh
 
 def test_off_policy_baseline_fade_scales_the_rows_own_baseline_term():
     """`sequence` off-policy: c - c_plain = -w_{1:t} u_t m_t with only a baseline m (a, h, lambda = 0) and u_t =
-    exp(-max(0, |log w_{1:t-1}| - 4)) (reductions.off_policy_baseline_fade); on-policy u = 1. Exactness of the faded
+    exp(-max(0, |log w_{1:t-1}| - 4)) (reductions.fade_baseline_); on-policy u = 1. Exactness of the faded
     baseline: the off-policy cases of tests/core/test_batch_exactness.py."""
-    from kl_adapters.estimators import shift_right
-    from kl_adapters.reductions import KLStatistics, off_policy_baseline_fade
+    from kl_adapters.reductions import KLStatistics, fade_baseline_
 
     gen = torch.Generator().manual_seed(3)
     logp = -torch.rand(2, 6, generator=gen, dtype=torch.float64)
@@ -393,13 +392,14 @@ def test_off_policy_baseline_fade_scales_the_rows_own_baseline_term():
     m = torch.randn(2, 6, generator=gen, dtype=torch.float64)
     stats = KLStatistics(zero, zero, zero, m, torch.zeros_like(m))
     log_rho = (logp - old) * mask
-    w = torch.exp(log_rho.cumsum(-1)) * mask
-    u = off_policy_baseline_fade(shift_right(w, 1.0)) * mask
+    running = torch.exp(log_rho.cumsum(-1))
+    w = running * mask
+    u = fade_baseline_(torch.ones_like(w), running) * mask
     log_prefix = torch.tensor([[0.0, 1.0, 3.0, 5.0, 6.5, -1.5], [0.0, -3.0, -5.0, -4.5, 0.0, 0.0]],
                               dtype=torch.float64)
     torch.testing.assert_close(u, torch.exp(-(log_prefix.abs() - 4).clamp(min=0)) * mask, rtol=1e-13, atol=0)
     assert u[0, 3] < 1 and u[1, 2] < 1 and torch.equal(u[:, :3][0], torch.ones(3, dtype=torch.float64))
-    assert torch.equal(off_policy_baseline_fade(torch.tensor([0.0, 1.0])), torch.tensor([0.0, 1.0]))  # 0: padding
+    assert torch.equal(fade_baseline_(torch.ones(3), torch.tensor([0.0, 1.0, 2.0])), torch.tensor([1.0, 0.0, 1.0]))
     for old_logp, weight in ((old, w * u), (None, mask)):
         c = kl_coefficients(logp, ref, mask, preset="sequence", old_logp=old_logp, statistics=stats)
         plain = kl_coefficients(logp, ref, mask, preset="sequence-plain", old_logp=old_logp)

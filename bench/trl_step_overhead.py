@@ -34,7 +34,7 @@ from kl_adapters.tiny_models import save_tiny_model  # noqa: E402
 NATIVE, ADAPTER = "native", "kl_adapters_sequence"
 
 
-def build(model_dir: str, preset: str | None, device: str, completion_length: int) -> GRPOTrainer:
+def build(model_dir: str, preset: str | None, device: str, completion_length: int = 32) -> GRPOTrainer:
     args = KLGRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=device == "cpu", bf16=False, beta=0.04,
                         per_device_train_batch_size=8, num_generations=8, max_completion_length=completion_length,
                         logging_steps=1, report_to="none", save_strategy="no", seed=0,

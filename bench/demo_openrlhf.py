@@ -54,18 +54,12 @@ group size and N_tok the step's completion-token count (OpenRLHF's batch_num_tok
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import openrlhf_paths  # noqa: F401  (tests/openrlhf and, without CUDA, its TEST-ONLY import stubs: see the docstring)
+
 os.environ.pop("KL_ADAPTERS", None)  # only the flag selects kl-adapters here
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "openrlhf")]
-if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("vllm") is None:
-    sys.path.insert(0, str(ROOT / "tests" / "openrlhf" / "cpu_stubs"))  # TEST-ONLY import stubs, see the docstring
 
 from demo_common import main as demo_main  # noqa: E402
 

@@ -17,19 +17,13 @@ Usage: .venvs/openrlhf/bin/python bench/openrlhf_overhead.py [--repeats 100] [--
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
 import tempfile
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from openrlhf_paths import ROOT  # tests/openrlhf and, without CUDA, its TEST-ONLY import stubs on sys.path
+
 warnings.filterwarnings("ignore")
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "openrlhf")]
-if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("vllm") is None:
-    sys.path.insert(0, str(ROOT / "tests" / "openrlhf" / "cpu_stubs"))
 
 import torch  # noqa: E402
 from openrlhf_cpu_shim import cuda_shims, load_actor, random_batch, save_tiny_model  # noqa: E402

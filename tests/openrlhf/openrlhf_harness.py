@@ -134,15 +134,17 @@ def use_cpu_device(actor) -> None:
     set_current_device("cpu")
 
 
-def loss_path_batch(actor_dir: str, ref_dir: str) -> dict:
+def loss_path_batch(actor_dir: str, ref_dir: str, behaviour_scale: float = 0.05) -> dict:
     """8 ragged sequences (those shorter than the longest end with EOS) with behaviour log-probs from a perturbed policy
     (off-policy from the first step on), the reference's log-probs and nonzero advantages: the Experience fields of the
-    loss-path run, and under "rollout_eos" the behaviour policy's `softmax_eos` (what its rollout forward carries)."""
+    loss-path run, and under "rollout_eos" the behaviour policy's `softmax_eos` (what its rollout forward carries).
+    behaviour_scale: the perturbation's standard deviation (`perturbed`); the log importance weights it gives grow
+    with the model's width (measured at hidden 2048: 0.05 gives per-sequence log weights up to 15, 0.001 within 0.5)."""
     import torch
     from openrlhf_cpu_shim import EOS, load_actor, perturbed, random_batch
 
     actor, ref = load_actor(actor_dir), load_actor(ref_dir)
-    behaviour = perturbed(actor, 0.05, seed=3)
+    behaviour = perturbed(actor, behaviour_scale, seed=3)
     sequences, attention_mask, action_mask = random_batch(len(RESPONSES), 4, RESPONSES, seed=0)
     for b, n in enumerate(RESPONSES):
         if n < max(RESPONSES):

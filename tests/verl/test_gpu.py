@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 #: float32: CPU's engine check holds 1e-4 on a 2-layer model; the same bound on CUDA, 12 layers
 FP32_RTOL = 1e-4
-#: bf16 compute (float32 master weights and gradient reduction): each side's backward rounds to 8 mantissa bits
+#: bf16 compute (float32 master weights and gradient reduction): each side's backward rounds to 8 mantissa bits. Measured
+#: on an H200 (2026-11-26): 0.0 (both sides run the same engine kernels on the same batch); the bound allows a kernel
+#: choice that differs between the two steps
 BF16_RTOL = 5e-2
 
 

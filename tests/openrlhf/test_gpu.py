@@ -31,8 +31,8 @@ from kl_adapters.presets import get_preset  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-#: bf16 (DeepSpeed's bf16 engine at ZeRO stage 0: bf16 parameters, no float32 master copy): 8 mantissa bits. Measured
-#: on an H200 (2026-11-26): 1.5e-2 of the gradient; 5e-2 leaves 3.4x margin
+#: bf16 (DeepSpeed's engine at ZeRO stage 0: bf16 parameters and gradients, float32 master weights in its FP16_Optimizer):
+#: each backward rounds to 8 mantissa bits. Measured on an H200 (2026-11-26): 1.5e-2 of the gradient; 5e-2 leaves 3.4x
 BF16_RTOL = 5e-2
 HIDDEN = 2048  # 2 layers: 84M parameters
 #: the behaviour policy's perturbation: at this width the CPU suite's 0.05 gives per-sequence log importance weights
@@ -40,9 +40,10 @@ HIDDEN = 2048  # 2 layers: 84M parameters
 BEHAVIOUR_SCALE = 1e-3
 #: Adam's learning rate of the KL-falls run. The logged `kl` is the k3 token mean on the fixed replay batch: OpenRLHF's
 #: k3 loss minimises exactly that, while `sequence` follows the importance-weighted sequence-level KL gradient, whose
-#: weights leave 1 as 10 epochs move the policy off the batch's. At this width (CPU, float32, Adam) 1e-4 raises the
-#: metric (k3 loss 4.4 -> 29.2, sum of the first / last 4 micro-batches; `sequence` on an H200 in bf16: 4.3 -> 33.0),
-#: 1e-5 lowers it for the k3 loss (4.3 -> 1.4) but not for `sequence` (4.3 -> 8.3), 1e-6 for both (0.21 / 1.86)
+#: weights leave 1 as 10 epochs move the policy off the batch's. At this width (bench/openrlhf_replay_kl.py, CPU,
+#: sums of the first / last 4 micro-batches) 1e-4 raises the metric for both (float32: k3 loss 4.4 -> 29.2, `sequence`
+#: 4.4 -> 34.4; `sequence` on an H200 in bf16: 4.3 -> 33.0), 1e-5 lowers it for the k3 loss only, 1e-6 for both
+#: (float32: 0.21 / 1.86; bf16 parameters with float32 master weights, as here: 1.57 / 2.38)
 KL_FALL_LR = 1e-6
 
 
@@ -75,7 +76,7 @@ def _either(value, fallback):
 
 class GradientLog:
     """Wraps DeepspeedStrategy.optimizer_step: at each gradient-accumulation boundary, the full gradient and the
-    float32 parameters the engine is about to step from (grad_log / params_log, as the CPU strategy shim records)."""
+    parameters the forward used (grad_log / params_log, as the CPU strategy shim records)."""
 
     def __init__(self, strategy):
         self.grad_log, self.params_log = [], []
@@ -89,8 +90,8 @@ class GradientLog:
         if engine.is_gradient_accumulation_boundary():
             # engine.module is the Actor's Hugging Face model (Actor.model): its names without the Actor's "model."
             named = [(f"model.{n}", p) for n, p in engine.module.named_parameters()]
-            # ZeRO stage 0 in bf16 keeps no float32 master copy (safe_get_full_fp32_param is None there, seen on an
-            # H200): the parameter itself is what the engine steps from
+            # ZeRO stage 0 in bf16 keeps its float32 master weights in FP16_Optimizer, out of safe_get_full_fp32_param's
+            # reach (None there, seen on an H200): the bf16 parameter is what the forward and the gradient used
             self.params_log.append({n: _either(safe_get_full_fp32_param(p), p).detach().float().clone()
                                     for n, p in named})
             self.grad_log.append(torch.cat([_either(safe_get_full_grad(p), p.grad).float().flatten()

@@ -312,18 +312,20 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
                 None, "xi": None if r.resample is not None else r.cv, "eos": r.eos, "resample": r.resample,
                 "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
-    # one [B, 2 + k, T] float64 buffer of (omega, mask, omega x channels) and one [B, k, T] of the channels, written in
-    # place (each input cast once, on its copy)
+    # one [B, 2 + k, T] float64 buffer of (omega, mask, omega x channels), written in place: the channels enter it as
+    # sqrt(omega) x (each input cast once, in that product), whose Gram matrix is sum_t omega x x^T, then times
+    # sqrt(omega) again (no second buffer of the channels: fewer first-touched pages, bench/kl_op_costs.py)
     per_token = torch.empty(batch, 2 + len(names), width, dtype=dtype, device=mask.device)
-    feats = torch.empty(batch, len(names), width, dtype=dtype, device=mask.device)  # zero at padding
     om = per_token[:, 0].copy_(omega)
     per_token[:, 1].copy_(mask)
+    root_om = om.sqrt()
+    weighted = per_token[:, 2:]
     for i, n in enumerate(names):
-        feats[:, i].copy_(channels[n])
-    weighted = torch.mul(om[:, None], feats, out=per_token[:, 2:])
-    gram = others_sum_(torch.bmm(weighted, feats.transpose(1, 2)), same)
+        torch.mul(channels[n], root_om, out=weighted[:, i])  # zero at padding
+    gram = others_sum_(torch.bmm(weighted, weighted.transpose(1, 2)), same)
+    weighted.mul_(root_om[:, None])
     if alpha is not None:
-        alpha = alpha.to(dtype) if faded else feats[:, names.index("task")]
+        alpha = alpha.to(dtype)
     scale, mu = _task_scale(task, alpha, mask, same)
     sums = others_sum_(per_token, same)  # per_token now holds the other rows' per-position sums
     weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]

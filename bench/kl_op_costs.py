@@ -11,6 +11,7 @@ Three measurements on the [B, T] batches of bench/kl_term_cost.py (float32, 1 to
 Run it against another checkout with PYTHONPATH=<checkout> to compare library versions (it uses public functions and
 `reductions.termination_increments` only).
 Usage: .venvs/core/bin/python bench/kl_op_costs.py [--repeats 200]
+       .venvs/core/bin/python bench/kl_op_costs.py --compare CHECKOUT... [--rounds 8] [--name NAME]  (faults only)
 """
 
 from __future__ import annotations
@@ -88,15 +89,42 @@ def faults_child(repeats: int) -> dict[str, float]:
     return {"ms_per_call": ms, "minor_faults_per_call": faults}
 
 
+MODES = (("glibc defaults", {}), ("freed memory kept (" + " ".join(f"{k}={v}" for k, v in NO_FAULTS.items()) + ")",
+                                    NO_FAULTS))
+
+
+def child_run(repeats: int, extra: dict[str, str], checkout: str | None = None) -> dict[str, float]:
+    """`faults_child` in a fresh process with the environment `extra` (and kl-adapters from `checkout`, if given)."""
+    env = {k: v for k, v in os.environ.items() if k not in NO_FAULTS} | extra
+    if checkout is not None:
+        env["PYTHONPATH"] = checkout
+    child = subprocess.run([sys.executable, __file__, "--child", str(repeats)], env=env, check=True,
+                           capture_output=True, text=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def faults(repeats: int) -> dict[str, dict[str, float]]:
-    out = {}
-    for label, extra in (("glibc defaults", {}), ("freed memory kept (" + " ".join(
-            f"{k}={v}" for k, v in NO_FAULTS.items()) + ")", NO_FAULTS)):
-        env = {k: v for k, v in os.environ.items() if k not in NO_FAULTS} | extra
-        child = subprocess.run([sys.executable, __file__, "--child", str(repeats)], env=env, check=True,
-                               capture_output=True, text=True)
-        out[label] = json.loads(child.stdout.strip().splitlines()[-1])
-    return out
+    return {label: child_run(repeats, extra) for label, extra in MODES}
+
+
+def compare(checkouts: list[str], rounds: int, repeats: int, name: str) -> None:
+    """`faults` of several checkouts, their child runs interleaved round by round (each checkout, then each mode), so
+    that drift in the machine's state hits them alike: medians and ranges over the rounds."""
+    runs = {c: {label: [] for label, _ in MODES} for c in checkouts}
+    for _ in range(rounds):
+        for c in checkouts:
+            for label, extra in MODES:
+                runs[c][label].append(child_run(repeats, extra, c))
+    lines = [f"{'checkout':30s} {'malloc':15s} {'ms/call median (range)':>24s} {'faults/call median (range)':>28s}"]
+    for c in checkouts:
+        for label, _ in MODES:
+            ms = [r["ms_per_call"] for r in runs[c][label]]
+            fl = [r["minor_faults_per_call"] for r in runs[c][label]]
+            lines.append(f"{c:30s} {label.split(' (')[0]:15s} {statistics.median(ms):8.2f} ({min(ms):.2f}-{max(ms):.2f})"
+                         f"{statistics.median(fl):14.0f} ({min(fl):.0f}-{max(fl):.0f})")
+    text = "\n".join(lines)
+    print(text)
+    print(f"wrote {write_result_and_table(name, {'rounds': rounds, 'repeats': repeats, 'runs': runs}, text)}")
 
 
 def eta(repeats: int) -> dict[str, dict[str, float]]:
@@ -123,10 +151,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--compare", nargs="+", metavar="CHECKOUT", help="only the page-fault measurement, of these "
+                        "checkouts' kl-adapters, interleaved over --rounds")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--name", default="kl_op_costs_cpu_compare", help="result name with --compare")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child is not None:
         print(json.dumps(faults_child(args.child)))
+        return 0
+    if args.compare:
+        compare(args.compare, args.rounds, args.repeats, args.name)
         return 0
     ops = op_costs(args.repeats)
     page = faults(args.repeats // 4)

@@ -8,6 +8,11 @@
 #                                                   that hold `gpu` tests and
 #                                                   bench/gpu_bench.py (GPU_BENCH=0: not); logs + JSON to
 #                                                   outdir (default $OUT); PYTEST_ADDOPTS (pytest's own) selects tests
+#   scripts/gpu.sh all <outdir> [<fw>:<seconds>]... on the GPU machine, one call for several frameworks: `run` for each
+#                                                   in turn under its time limit (default openrlhf:140 verl:180
+#                                                   trl:250), everything they write in one outdir/gpu.tgz, rewritten
+#                                                   after each (the device returns at most 8 files) with summary.txt
+#                                                   (each framework's exit status and seconds) and <fw>-run.log
 #
 # A wheelhouse holds exactly the pins of envs/gpu-<fw>.txt (each one a pin of the CPU suite, envs/<fw>.txt; the
 # device image has the rest: envs/device-image.txt), built for CPython 3.12 manylinux x86_64, plus a wheel of
@@ -24,7 +29,7 @@ MAX_MIB=60
 SDIST_ONLY=(deepspeed antlr4-python3-runtime)  # no wheel on the index: built here (pure Python)
 PY=${PYTHON:-python3}
 
-usage() { sed -n '3,10p' "$0" >&2; exit 2; }
+usage() { sed -n '3,15p' "$0" >&2; exit 2; }
 known() { [[ " ${FRAMEWORKS[*]} " == *" $1 "* ]] || { echo "unknown framework: $1 (trl|verl|openrlhf)" >&2; exit 2; }; }
 pins() { grep -v '^#' "$ROOT/envs/gpu-$1.txt" | grep -v '^[[:space:]]*$'; }
 
@@ -97,9 +102,33 @@ run() {
   return $status
 }
 
+run_all() {
+  local out=$1 work spec fw limit start rc status=0
+  shift
+  [ $# -gt 0 ] || set -- openrlhf:140 verl:180 trl:250
+  for spec in "$@"; do  # every argument checked before the first run
+    known "${spec%%:*}"
+    [[ "${spec#*:}" =~ ^[1-9][0-9]*$ ]] || { echo "all: '$spec' is not <framework>:<seconds>" >&2; exit 2; }
+  done
+  mkdir -p "$out"
+  out=$(cd "$out" && pwd)
+  work=$(mktemp -d -t kl-adapters-gpu-XXXX)
+  for spec in "$@"; do
+    fw=${spec%%:*} limit=${spec#*:} start=$(date +%s)
+    timeout "$limit" "$ROOT/scripts/gpu.sh" run "$fw" "$work/$fw" > "$work/$fw-run.log" 2>&1 && rc=0 || rc=$?
+    echo "$fw rc=$rc seconds=$(( $(date +%s) - start ))$([ "$rc" = 124 ] && echo " (time limit)")" \
+      | tee -a "$work/summary.txt"
+    [ "$rc" = 0 ] || status=1
+    tar czf "$out/gpu.tgz" -C "$work" .
+  done
+  rm -rf "$work"
+  return $status
+}
+
 [ $# -gt 0 ] || usage
 case "$1" in
   prepare) shift; [ $# -gt 0 ] || set -- "${FRAMEWORKS[@]}"; for fw in "$@"; do prepare "$fw"; done ;;
   run) [ $# -ge 2 ] && [ $# -le 3 ] || usage; run "$2" "${3:-}" ;;
+  all) [ $# -ge 2 ] || usage; shift; run_all "$@" ;;
   *) usage ;;
 esac

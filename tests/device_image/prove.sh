@@ -6,7 +6,8 @@
 #   3. a stand-in of the device image: Python 3.12 with envs/device-image.txt installed from the package index, then
 #      everything the image does not hold (tests/device_image/image_packages.txt) removed; cached, keyed by those files
 #      (DEVICE_IMAGE_VENV to place it elsewhere)
-#   4. scripts/gpu.sh run <fw> <out> with that Python: the exact device command. --no-index install of the wheelhouse,
+#   4. scripts/gpu.sh all <out> <fw>:900 with that Python: the exact device command (`run` under a time limit, its
+#      files in one archive, unpacked here). --no-index install of the wheelhouse,
 #      the framework and kl-adapters imported (environment report), `pytest -m gpu tests/<fw>` collected and every test
 #      skipped, bench/gpu_bench.py's smoke configuration; checks.py run <fw> <out> checks what it left
 # Usage: tests/device_image/prove.sh [trl] [verl] [openrlhf]      (needs Python 3.12: PYTHON312 to name one)
@@ -54,12 +55,15 @@ for fw in "$@"; do
   echo "=== [$fw] wheelhouse"
   "$ROOT/scripts/gpu.sh" prepare "$fw" || { status=1; continue; }
   "$VENV/bin/python" "$HERE/checks.py" wheelhouse "$fw" || { status=1; continue; }
-  echo "=== [$fw] scripts/gpu.sh run $fw (device-image stand-in, no GPU)"
-  if ! PYTHON="$VENV/bin/python" GPU_SITE="$OUT/site-$fw" "$ROOT/scripts/gpu.sh" run "$fw" "$OUT/$fw" \
-      > "$OUT/$fw.log" 2>&1; then
-    tail -40 "$OUT/$fw.log"; status=1
-  fi
-  "$VENV/bin/python" "$HERE/checks.py" run "$fw" "$OUT/$fw" || { tail -40 "$OUT/$fw.log"; status=1; }
+  echo "=== [$fw] scripts/gpu.sh all <out> $fw:900 (device-image stand-in, no GPU)"
+  # `all` runs `run` under its time limit and returns everything in one archive, as in a device call
+  ok=1
+  PYTHON="$VENV/bin/python" GPU_SITE="$OUT/site-$fw" "$ROOT/scripts/gpu.sh" all "$OUT/$fw-all" "$fw:900" \
+    > "$OUT/$fw.log" 2>&1 || ok=0
+  mkdir -p "$OUT/$fw-x" && tar xzf "$OUT/$fw-all/gpu.tgz" -C "$OUT/$fw-x" || ok=0
+  grep -qx "$fw rc=0 seconds=[0-9]*" "$OUT/$fw-x/summary.txt" || ok=0
+  "$VENV/bin/python" "$HERE/checks.py" run "$fw" "$OUT/$fw-x/$fw" || ok=0
+  [ $ok = 1 ] || { status=1; cat "$OUT/$fw.log"; tail -40 "$OUT/$fw-x/$fw-run.log"; }
   echo "=== [$fw] $(( $(date +%s) - start )) s"
 done
 [ $status -eq 0 ] && rm -rf "$OUT" && echo "device image proof passed: $*"

@@ -312,20 +312,18 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
                 None, "xi": None if r.resample is not None else r.cv, "eos": r.eos, "resample": r.resample,
                 "past": r.past}
     names = [n for n, x in channels.items() if x is not None]
-    # one [B, 2 + k, T] float64 buffer of (omega, mask, omega x channels), written in place: the channels (each cast
-    # once, by its copy) times sqrt(omega), whose Gram matrix is sum_t omega x x^T, then times sqrt(omega) again (no
-    # second [B, k, T] buffer of the channels: 11% fewer page faults per call, bench/kl_op_costs.py --compare)
+    # one [B, 2 + k, T] float64 buffer of (omega, mask, omega x channels) and one [B, k, T] of the channels, written in
+    # place (each input cast once, on its copy)
     per_token = torch.empty(batch, 2 + len(names), width, dtype=dtype, device=mask.device)
+    feats = torch.empty(batch, len(names), width, dtype=dtype, device=mask.device)  # zero at padding
     om = per_token[:, 0].copy_(omega)
     per_token[:, 1].copy_(mask)
-    root_om = om.sqrt()[:, None]
-    weighted = per_token[:, 2:]
     for i, n in enumerate(names):
-        weighted[:, i].copy_(channels[n])  # zero at padding
-    gram = others_sum_(torch.bmm(weighted.mul_(root_om), weighted.transpose(1, 2)), same)
-    weighted.mul_(root_om)
+        feats[:, i].copy_(channels[n])
+    weighted = torch.mul(om[:, None], feats, out=per_token[:, 2:])
+    gram = others_sum_(torch.bmm(weighted, feats.transpose(1, 2)), same)
     if alpha is not None:
-        alpha = alpha.to(dtype)
+        alpha = alpha.to(dtype) if faded else feats[:, names.index("task")]
     scale, mu = _task_scale(task, alpha, mask, same)
     sums = others_sum_(per_token, same)  # per_token now holds the other rows' per-position sums
     weight, count, s_f = sums[:, 0], sums[:, 1], sums[:, 2:]

@@ -11,8 +11,10 @@ Public API (stable names):
     full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics   preset `full`: exact KL over the vocabulary
     enable(preset), disable(), active()                           switch the framework adapters on/off (or KL_ADAPTERS=)
 
-Names are resolved lazily so that the import hook (`kl_adapters.autoload`, run from a .pth file when KL_ADAPTERS is
-set) costs no torch import in processes that never train.
+Importing kl_adapters activates KL_ADAPTERS when it is set (`activation.activate_from_env(defer=True)`: a refused
+value is recorded, and a framework import then stops the run with its one-line error). The installed
+kl_adapters_autoload.pth line imports it at interpreter start when KL_ADAPTERS is set, so that no code change is
+needed; names are resolved lazily so that this costs no torch import in processes that never train.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ _EXPORTS = {
     "active": "activation",
 }
 __all__ = sorted(_EXPORTS)
+
+import_module(".activation", __name__).activate_from_env(defer=True)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import active, disable, enable

@@ -273,11 +273,18 @@ def check_discount(discount: float, preset) -> None:
                          "a silent no-op; discountable: sequence, reward, sequence-plain, reward-plain, full")
 
 
-def check_is_clip(is_clip: float | None) -> None:
-    """is_clip, when given, is the cap on importance weights: a finite number >= 1."""
+def check_is_clip(is_clip: float | None, preset=None) -> None:
+    """is_clip, when given, is the cap on importance weights: a finite number >= 1; with `preset` (a Preset), also one
+    that has importance weights to cap (`full`'s are exact and uncapped; `k3-loss` and the like apply none)."""
     if is_clip is None:
         return
     if isinstance(is_clip, bool) or not isinstance(is_clip, numbers.Real):
         raise TypeError(f"is_clip must be a number or None, got {type(is_clip).__name__}")
     if not math.isfinite(is_clip) or is_clip < 1:
         raise ValueError(f"is_clip must be finite and >= 1 (a cap on importance weights), got {is_clip}")
+    if preset is not None and preset.needs_full_logits:
+        raise ValueError(f"is_clip does not apply to preset {preset.name!r}: its importance weights are exact "
+                         "(uncapped); drop is_clip")
+    if preset is not None and not preset.uses_importance_weights:
+        raise ValueError(f"preset {preset.name!r} applies no importance weights, so is_clip would be a silent no-op; "
+                         "drop is_clip or use a preset that has them (sequence, reward, token)")

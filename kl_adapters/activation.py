@@ -2,12 +2,20 @@
 
 Three ways to activate, one state:
     kl_adapters.enable("sequence")          in code (also exports KL_ADAPTERS so child processes / Ray workers inherit)
-    KL_ADAPTERS=sequence python train.py    no code change: the kl_adapters_autoload.pth line imports
-                                            `kl_adapters.autoload` at interpreter start, which calls `activate_from_env`
+    KL_ADAPTERS=sequence python train.py    no code change: the kl_adapters_autoload.pth line imports kl_adapters at
+                                            interpreter start, whose import calls `activate_from_env(defer=True)`
     a framework's own config flag           handled by that framework's adapter; it wins over the two above
 Value syntax: ``<preset>[:<option>=<value>,...]`` with options is_clip=<float> (cap on importance weights) and
 kl_target=<nats> (a KL budget, `kl_adapters.budget`: beta follows so that KL(pi || pi_ref) per sequence tracks it);
 "", "0", "off", "none" mean off.
+
+One check for every path (`validate`, through `parse` / `checked`): whichever way a setting arrives it is accepted or
+refused alike, a refusal being a `SettingError` whose one line names the setting, its value and what is valid
+(tests/activation_table.py, exercised on every path of each suite). A refused KL_ADAPTERS never lets a run proceed
+with the framework's own KL: Python's site module swallows errors of a .pth line, so `activate_from_env(defer=True)`
+records the refusal instead of raising, and the import of any framework module kl-adapters patches then exits with
+that line (SystemExit, which no framework's import machinery wraps); `active()` and the adapters' `patch` raise it.
+When a preset applies, each adapter logs one line per process (`announce`).
 
 Patching is lazy: nothing is imported until a framework module listed in `ADAPTERS` is imported; then its adapter's
 `patch(trigger_module_name)` runs (already-imported frameworks are patched at once). Adapters are idempotent and look the
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -59,78 +68,127 @@ class Settings:
         return self.preset + (":" + ",".join(options) if options else "")
 
 
-def parse(value: str | None, *, check_preset: bool = True) -> Settings | None:
-    """Parse a KL_ADAPTERS value; unknown presets or options raise ValueError naming the valid ones.
+class SettingError(ValueError):
+    """A refused kl-adapters setting: one line naming the setting, its value and what is valid."""
 
-    check_preset=False skips the registry lookup (which imports torch); the name is then checked when an adapter patches.
+
+#: the options of the KL_ADAPTERS syntax (`Settings` fields besides the preset)
+OPTIONS = ("is_clip", "kl_target")
+
+
+def parse(value: str | None, *, check_preset: bool = True, setting: str = ENV_VAR,
+          written: str | None = None) -> Settings | None:
+    """Parse a KL_ADAPTERS-syntax value; None when off. A refused value raises SettingError
+    "<setting>='<written>': <why>; <what is valid>" (unknown option, a number that is not one, or `validate`'s
+    refusals).
+
+    setting: where the user wrote it (KL_ADAPTERS, kl_preset, --algo.kl.preset, a verl key); written: what they wrote,
+    when it is more than `value` (verl's ``kl_adapters:<value>``). check_preset=False skips the checks that read the
+    preset registry (which imports torch); `check_environment` makes them before any framework is patched.
     """
     if value is None or value.strip().lower() in _OFF:
         return None
+    where = f"{setting}={(written or value).strip()!r}"
     name, _, opts = value.strip().partition(":")
-    if check_preset:
-        from .presets import get_preset
-
-        get_preset(name)
-    options: dict[str, float | None] = {"is_clip": None, "kl_target": None}
+    options: dict[str, float | None] = dict.fromkeys(OPTIONS)
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, _, raw = item.partition("=")
         if key not in options:
-            raise ValueError(f"unknown {ENV_VAR} option {key!r} in {value!r}; valid options: {', '.join(options)}")
+            raise SettingError(f"{where}: unknown option {key!r}; valid options: {', '.join(OPTIONS)}")
         try:
             options[key] = float(raw)
         except ValueError:
-            raise ValueError(f"{ENV_VAR} option {key} needs a number, got {raw!r}") from None
-    settings = Settings(name, **options)
-    validate(settings, check_preset=check_preset)
+            raise SettingError(f"{where}: option {key} needs a number, got {raw!r}") from None
+    return checked(Settings(name, **options), where, check_preset=check_preset)
+
+
+def checked(settings: Settings, where: str, *, check_preset: bool = True) -> Settings:
+    """`settings` when `validate` accepts them, else SettingError "<where>: <why>" (where: the setting as written)."""
+    try:
+        validate(settings, check_preset=check_preset)
+    except ValueError as err:
+        raise SettingError(f"{where}: {err}") from None
     return settings
 
 
 def validate(settings: Settings, *, check_preset: bool = True) -> None:
-    """ValueError for options that are out of range or do not fit the preset (a KL budget needs a preset unbiased for
-    the sequence KL and no is_clip, `budget.check_budget_preset`); check_preset=False: the torch-free checks only."""
+    """The one check of a setting, whichever path it came by. ValueError for: an unknown preset; is_clip that is not
+    a number >= 1, or on a preset without importance weights to cap (`_validate.check_is_clip`); a kl_target that is
+    not a number > 0, on a preset whose gradient is not the sequence KL's, or with is_clip
+    (`budget.check_budget_preset`). check_preset=False: the torch-free range checks only.
+    Pinned by tests/core/test_activation.py::test_table_on_parse (the table: tests/activation_table.py)."""
     from ._validate import check_is_clip
     from .budget import check_budget_preset, check_target
 
     check_is_clip(settings.is_clip)
     if settings.kl_target is not None:
         check_target(settings.kl_target)
-        if check_preset:
+    if check_preset:
+        from .presets import get_preset
+
+        check_is_clip(settings.is_clip, get_preset(settings.preset))
+        if settings.kl_target is not None:
             check_budget_preset(settings.preset, settings.is_clip)
 
 
 _lock = threading.RLock()
 _settings: Settings | None = None
+#: the setting as written (e.g. "KL_ADAPTERS='sequnce'") while _settings still waits for the checks that read the
+#: preset registry: KL_ADAPTERS read before torch was imported (`activate_from_env`); None once checked
+_unchecked: str | None = None
+#: the one-line refusal of the KL_ADAPTERS this process read (`activate_from_env(defer=True)`), raised by every use
+_refused: str | None = None
 _patched: set[str] = set()
 _armed: set[str] = set()
+_announced: set[tuple[str, str, str]] = set()
 _finder: _PostImportFinder | None = None
 _log = logging.getLogger("kl_adapters")
 
 
 def active() -> Settings | None:
-    """The settings adapters apply now (None: off, frameworks run their original code)."""
+    """The settings adapters apply now (None: off, frameworks run their original code). SettingError when the
+    KL_ADAPTERS this process read is refused (`check_environment`)."""
+    if _unchecked is not None or _refused is not None:
+        check_environment()
     return _settings
 
 
-def resolve(config_value: str | None) -> Settings | None:
-    """A framework config flag wins over enable()/KL_ADAPTERS; an empty or None flag defers to them."""
-    return parse(config_value) if config_value not in (None, "") else _settings
+def check_environment() -> None:
+    """SettingError when the KL_ADAPTERS this process read is refused; a value read before torch was imported gets
+    the checks that read the preset registry first (so a misspelt preset is refused here, not at interpreter start)."""
+    global _settings, _unchecked, _refused
+    with _lock:
+        if _unchecked is not None:
+            try:
+                checked(_settings, _unchecked)
+            except SettingError as err:
+                _settings, _refused = None, str(err)
+            _unchecked = None
+        if _refused is not None:
+            raise SettingError(_refused)
+
+
+def resolve(config_value: str | None, *, setting: str) -> Settings | None:
+    """A framework config flag (named `setting` in errors) wins over enable()/KL_ADAPTERS; an empty or None flag
+    defers to them."""
+    return parse(config_value, setting=setting) if config_value not in (None, "") else active()
 
 
 def enable(preset: str, *, is_clip: float | None = None, kl_target: float | None = None) -> Settings:
     """Switch every supported framework to `preset` (patching installed frameworks as they are imported); kl_target:
-    a KL budget (module docstring)."""
-    settings = parse(str(Settings(preset, is_clip, kl_target)))
+    a KL budget (module docstring). Replaces KL_ADAPTERS, a refused one included."""
+    settings = parse(str(Settings(preset, is_clip, kl_target)), setting="kl_adapters.enable")
     _activate(settings)
     os.environ[ENV_VAR] = str(settings)
     return settings
 
 
 def disable() -> None:
-    """Switch off: restore every patched framework function, forget the setting (also unsets KL_ADAPTERS) and any
-    `arm`ed framework (its config names then stop selecting presets in this process)."""
-    global _settings, _finder
+    """Switch off: restore every patched framework function, forget the setting (also unsets KL_ADAPTERS, and
+    forgets its refusal) and any `arm`ed framework (its config names then stop selecting presets in this process)."""
+    global _settings, _unchecked, _refused, _finder
     with _lock:
-        _settings = None
+        _settings = _unchecked = _refused = None
         _armed.clear()
         os.environ.pop(ENV_VAR, None)
         if _finder is not None and _finder in sys.meta_path:
@@ -141,12 +199,48 @@ def disable() -> None:
         _patched.clear()
 
 
-def activate_from_env() -> Settings | None:
-    """Activate from KL_ADAPTERS if it is set (called at interpreter start by the .pth hook and by plugin loaders)."""
-    settings = parse(os.environ.get(ENV_VAR), check_preset="torch" in sys.modules)
+def activate_from_env(*, defer: bool = False) -> Settings | None:
+    """Activate from KL_ADAPTERS if it is set; a refused value raises SettingError.
+
+    defer=True (the import of kl_adapters, which the .pth hook makes at interpreter start, where Python would swallow
+    the error): a refusal is recorded instead, and every framework import kl-adapters patches then exits with it
+    (module docstring). Pinned by tests/core/test_activation.py::test_table_through_the_pth_hook.
+    """
+    global _refused
+    value = os.environ.get(ENV_VAR)
+    torch_loaded = "torch" in sys.modules
+    try:
+        settings = parse(value, check_preset=torch_loaded)
+    except SettingError as err:
+        if not defer:
+            raise
+        with _lock:
+            _refused = str(err)
+            _install_finder()
+        return None
     if settings is not None:
-        _activate(settings)
+        _activate(settings, unchecked=None if torch_loaded else f"{ENV_VAR}={value.strip()!r}")
     return settings
+
+
+def announce(framework: str, path: str, settings: Settings, note: str = "") -> None:
+    """Log once per process and setting that `settings` replace `framework`'s KL on `path` ("loss" or "reward"):
+    ``kl-adapters: preset sequence active in trl 1.16.0 (KL path: loss; kl_target 0.5)``. WARNING level, which
+    Python shows without any logging configuration. Adapters call it where a preset applies (at configuration, and
+    in a Ray worker at its first KL term); later calls log nothing. Pinned by
+    tests/core/test_activation.py::test_announce_logs_one_line_per_process."""
+    key = (framework, path, str(settings))
+    with _lock:
+        if key in _announced:
+            return
+        _announced.add(key)
+    try:
+        release = importlib.metadata.version(framework)
+    except importlib.metadata.PackageNotFoundError:
+        release = "(release unknown)"
+    parts = [f"KL path: {path}", *(f"{key} {getattr(settings, key):g}" for key in OPTIONS
+                                   if getattr(settings, key) is not None), *([note] if note else [])]
+    _log.warning("kl-adapters: preset %s active in %s %s (%s)", settings.preset, framework, release, "; ".join(parts))
 
 
 def arm(framework: str) -> None:
@@ -164,10 +258,10 @@ def arm(framework: str) -> None:
                 _patch_armed(framework, trigger)
 
 
-def _activate(settings: Settings) -> None:
-    global _settings
+def _activate(settings: Settings, unchecked: str | None = None) -> None:
+    global _settings, _unchecked, _refused
     with _lock:
-        _settings = settings
+        _settings, _unchecked, _refused = settings, unchecked, None
         _install_finder()
         for framework, (_, triggers) in ADAPTERS.items():
             for trigger in triggers:
@@ -185,23 +279,30 @@ def _install_finder() -> None:
 def _patch_armed(framework: str, trigger: str) -> None:
     try:
         _patch(framework, trigger)
+    except SettingError:  # a refused KL_ADAPTERS is a flag the user set
+        raise
     except Exception as exc:  # noqa: BLE001 - see arm()
         _log.warning("kl-adapters: could not patch %s, %s runs unpatched there: %s", trigger, framework, exc)
 
 
 def _patch(framework: str, trigger: str) -> None:
-    from .presets import get_preset
-
     with _lock:
-        if _settings is not None:
-            get_preset(_settings.preset)  # KL_ADAPTERS read at interpreter start is validated here, before any patch
-            validate(_settings)
         adapter = importlib.import_module(ADAPTERS[framework][0])
         if not hasattr(adapter, "patch"):
             raise RuntimeError(f"{adapter.__name__} imported its own trigger module {trigger!r} while being imported; "
                                "adapters must import trigger modules inside patch() only")
         adapter.patch(trigger)
         _patched.add(framework)
+
+
+def _exit_if_refused() -> None:
+    """SystemExit with the one line of a refused KL_ADAPTERS (`check_environment`), before a framework module that
+    kl-adapters patches runs: no framework's import machinery catches it (TRL's lazy modules and verl's plugin loader
+    catch Exception), so the run stops there, with that line and exit status 1."""
+    try:
+        check_environment()
+    except SettingError as err:
+        raise SystemExit(f"kl-adapters: {err}") from None
 
 
 def _framework_of(module_name: str) -> str | None:
@@ -221,6 +322,7 @@ class _PatchAfterExec(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        _exit_if_refused()
         self._loader.exec_module(module)
         if _settings is not None:
             _patch(self._framework, module.__name__)

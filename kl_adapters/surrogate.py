@@ -102,8 +102,7 @@ def _check_options(spec: Preset, is_clip: float | None, statistics: KLStatistics
     check_discount(discount, spec)
     if spec.needs_full_logits:
         return  # refused with its own message by the preset's weight function
-    if is_clip is not None and not spec.uses_importance_weights:
-        raise ValueError(f"preset {spec.name!r} applies no importance weights, so is_clip would be a silent no-op")
+    check_is_clip(is_clip, spec)
     if not spec.uses_batch_statistics:
         given = [n for n, v in (("statistics", statistics), ("group", group), ("task", task), ("eos", eos))
                  if v is not None]

@@ -150,7 +150,7 @@ class PresetFlag(str):
 
 
 def _receive_flag(value: str) -> PresetFlag:
-    settings = activation.parse(value)
+    settings = activation.parse(value, setting=FLAG)
     if settings is not None:
         activation.enable(settings.preset, is_clip=settings.is_clip, kl_target=settings.kl_target)
     return PresetFlag(value)
@@ -190,6 +190,13 @@ def check_args(args: Any, settings: Settings) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
+def _apply(args: Any, settings: Settings) -> None:
+    """`check_args`, then the process's activation line (`activation.announce`): where the adapter is about to apply
+    `settings` (the driver's argument parsing, the single controller's rollout, the actor's training step)."""
+    check_args(args, settings)
+    activation.announce("openrlhf", "loss" if args.algo.kl.use_loss else "reward", settings)
+
+
 def _check_reward_path(args: Any, settings: Settings, flag: str) -> None:
     kl, adv = args.algo.kl, args.algo.advantage
     if settings.preset not in ("reward", "reward-plain"):
@@ -212,7 +219,7 @@ def _check_reward_path(args: Any, settings: Settings, flag: str) -> None:
 
 def _settings(args: Any) -> Settings | None:
     """The flag in OpenRLHF's args wins; absent, the process-wide setting (KL_ADAPTERS / enable) applies."""
-    return activation.resolve(getattr(args.algo.kl, "preset", None))
+    return activation.resolve(getattr(args.algo.kl, "preset", None), setting=FLAG)
 
 
 # ---- loss path (PolicyModelActor) ----------------------------------------------------------------------------------
@@ -239,7 +246,7 @@ def _wrap_training_step(original: Callable) -> Callable:
         settings = _settings(self.args)
         if settings is None or not self.args.algo.kl.use_loss:
             return original(self, experience, kl_ctl, step, loss_batch_info)
-        check_args(self.args, settings)
+        _apply(self.args, settings)
         statistics = openrlhf_statistics.take(experience)  # before OpenRLHF logs experience.info
         if loss_batch_info is None:  # dynamic batching: the call OpenRLHF's training_step makes (ppo_actor.py:273-280)
             loss_batch_info = sys.modules[_PPO_ACTOR].get_loss_batch_info(
@@ -488,7 +495,7 @@ def _wrap_make_experience(original: Callable) -> Callable:
         settings = _settings(self.args)
         if settings is None:
             return original(self, samples_list)
-        check_args(self.args, settings)
+        _apply(self.args, settings)
         if self.args.algo.kl.use_loss:  # loss path: statistics once the advantages exist (`_wrap_compute_advantages`)
             return original(self, samples_list)
         rollout = _Rollout(iter(samples_list), [])
@@ -663,7 +670,7 @@ def _wrap_hierarchize(original: Callable) -> Callable:
         settings = activation.active()
         if kl is not None and settings is not None:
             kl.preset = PresetFlag(str(settings))
-            check_args(nested, settings)
+            _apply(nested, settings)
         return nested
 
     return hierarchize
@@ -702,7 +709,9 @@ def patch(trigger: str) -> None:
     openrlhf.trainer.ppo_trainer: BasePPOTrainer.train_step, save_logs_and_checkpoints, init_checkpoint_states (the KL
         budget, in the single controller);
     openrlhf.trainer.ppo_utils.experience_maker: RemoteExperienceMaker.make_experience, its compute_approx_kl binding.
+    A refused KL_ADAPTERS raises its SettingError (`activation.check_environment`).
     """
+    activation.check_environment()
     _refuse_incompatible(require_version("openrlhf"))
     module = sys.modules[trigger]
     if trigger == _PPO_ACTOR:

@@ -9,7 +9,10 @@ KL(pi || pi_ref) per sequence tracks it; the same as the preset value's ``kl_tar
 ``--algo.kl.target`` targets a per-token KL), switches kl-adapters on with them, and runs ``openrlhf.cli.train_ppo_ray``
 as ``__main__`` with every other argument unchanged.
 OpenRLHF's own argument parsing then yields ``args.algo.kl.preset`` (see `kl_adapters.adapters.openrlhf.PresetFlag`),
-which reaches every Ray actor with OpenRLHF's args. Pinned by tests/openrlhf/test_cli.py.
+which reaches every Ray actor with OpenRLHF's args. Refused before OpenRLHF runs, with argparse's usage and one line
+(exit status 2): what `kl_adapters.activation.validate` refuses on every path, a refused KL_ADAPTERS in the launcher's
+environment, and the flags OpenRLHF renamed (`openrlhf_flags.RENAMED`: the new name). Pinned by
+tests/openrlhf/test_cli.py and tests/openrlhf/test_activation.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import runpy
 import sys
 
 from .. import activation
+from .openrlhf_flags import renamed_hint
 
 TRAIN_MODULE = "openrlhf.cli.train_ppo_ray"
 FLAG = "--algo.kl.preset"
@@ -38,11 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(FLAG, dest="preset", metavar="PRESET[:is_clip=C]")
     parser.add_argument(TARGET_FLAG, dest="seq_target", type=float, metavar="NATS")
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        settings = activation.parse(known.preset)
-    except ValueError as err:
-        parser.error(f"{FLAG}: {err}")
+    hint = renamed_hint(rest)
+    if hint:
+        parser.error(hint)
     try:  # a budget for the flag's preset, or for KL_ADAPTERS' without the flag
+        activation.check_environment()
+        settings = activation.parse(known.preset, setting=FLAG)
         settings = with_target(settings if known.preset is not None else activation.active(), known.seq_target)
     except ValueError as err:
         parser.error(str(err))
@@ -65,7 +70,8 @@ def with_target(settings: activation.Settings | None, seq_target: float | None) 
         raise ValueError(f"{TARGET_FLAG} {seq_target} needs {FLAG} (a KL preset whose beta it adjusts, e.g. sequence)")
     if settings.kl_target is not None and settings.kl_target != seq_target:
         raise ValueError(f"two KL budgets: {FLAG} {settings} and {TARGET_FLAG} {seq_target}; give one")
-    return activation.parse(str(dataclasses.replace(settings, kl_target=seq_target)))
+    return activation.checked(dataclasses.replace(settings, kl_target=seq_target),
+                              f"{FLAG} {settings} {TARGET_FLAG} {seq_target:g}")
 
 
 if __name__ == "__main__":

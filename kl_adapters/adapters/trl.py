@@ -71,10 +71,16 @@ updates beta from the step's mean ``kl_adapters/seq_kl`` (the sums `_log_metrics
 no extra synchronisation, the same beta on every process); the generation and loss wrappers read it
 (`_apply_budget`), so TRL's own code and the statistics see the current beta. Its state is saved in each checkpoint's
 trainer_state.json (``stateful_callbacks``) and restored at on_train_begin by ``train(resume_from_checkpoint=...)``.
-Metrics beside TRL's: ``kl_adapters/beta``, ``kl_adapters/kl_target``. Refused at configuration (`check_budget`): no
-KL term, a target that is not a finite number > 0, a preset whose gradient is not the sequence KL's (or ``reward``
-off-policy), is_clip; RLOOTrainer (not patched). Without kl_target nothing of this runs. Pinned by
-tests/trl/test_budget.py.
+Metrics beside TRL's: ``kl_adapters/beta``, ``kl_adapters/kl_target``. With TRL's default ``beta = 0`` the budget
+starts from ``BUDGET_START_BETA`` (`start_budget`, before TRL decides whether to build its reference model). Refused
+at configuration (`activation.validate`, `check_budget`): no KL term, a target that is not a finite number > 0, a
+preset whose gradient is not the sequence KL's (or ``reward`` off-policy), is_clip; RLOOTrainer (not patched).
+Without kl_target nothing of this runs. Pinned by tests/trl/test_budget.py.
+
+Activation (tests/trl/test_activation.py): ``kl_preset``, ``--kl_preset`` and ``KL_ADAPTERS`` accept and refuse the
+same values (`field_settings`, `activation.validate`); a refused KL_ADAPTERS stops the import of GRPOTrainer with its
+one line; a preset with ``beta = 0`` is refused (a silent no-op) on every path; GRPOTrainer.__init__ logs
+``kl-adapters: preset ... active in trl <release> (KL path: loss; ...)`` once per process (`_checked_init`).
 
 Bias-variance dial (``KLGRPOConfig(kl_discount=gamma)``, ``--kl_discount``): the preset's future-KL return
 sum_{s>t} KL_s becomes sum_{s>t} gamma^(s-t) KL_s (``discount=`` of kl_term / kl_statistics / the full-vocabulary
@@ -120,6 +126,7 @@ use_bias_correction_kl True, loss_type "dapo") and RLOO's k1-in-reward are uncha
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -133,8 +140,8 @@ from trl import GRPOConfig  # not a trigger module: importing it patches nothing
 
 from .. import activation, native
 from ..activation import Settings
-from .._validate import check_discount, check_is_clip
-from ..budget import DEFAULT_RULE, KLBudget, check_budget_preset, check_target
+from .._validate import check_discount
+from ..budget import DEFAULT_RULE, KLBudget, check_budget_preset
 from ..full_vocab import full_kl_surrogate_from_hidden
 from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
@@ -198,24 +205,64 @@ class KLGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        settings = activation.parse(self.kl_preset)  # unknown names raise, listing the valid presets
-        check_is_clip(self.kl_is_clip)
-        if self.kl_is_clip is not None and settings is None:
-            raise ValueError("kl_is_clip is set but kl_preset is not: it would be a silent no-op")
-        if self.kl_discount is not None and settings is None:
-            raise ValueError("kl_discount is set but kl_preset is not: it would be a silent no-op")
-        if settings is not None:
-            if (self.kl_is_clip, settings.is_clip) != (None, None) and get_preset(settings.preset).needs_full_logits:
-                raise ValueError("kl_is_clip does not apply to kl_preset='full': its importance weights are exact")
-            if self.beta == 0.0:
-                raise ValueError(f"kl_preset={self.kl_preset!r} with beta=0.0 would be a silent no-op: TRL builds no "
-                                 "reference model when beta == 0; set beta > 0")
-            if self.kl_discount is not None:
-                check_discount(self.kl_discount, get_preset(settings.preset))
-            patch(_GRPO_MODULE)  # the field must take effect on any GRPOTrainer
-        if self.kl_target is not None or (settings is not None and settings.kl_target is not None):
+        settings = field_settings(self.kl_preset, self.kl_is_clip, self.kl_target, self.kl_discount)
+        if settings is None and self.kl_target is None:
+            return
+        start_budget(self)
+        if settings is not None and self.beta == 0.0:
+            raise activation.SettingError(_zero_beta(f"kl_preset={self.kl_preset!r}"))
+        resolved = settings_of(self)  # kl_target without kl_preset budgets KL_ADAPTERS' preset, if there is one
+        if resolved is None or resolved.kl_target is not None:
             check_budget(self)
-            patch(_GRPO_MODULE)
+        patch(_GRPO_MODULE)  # the field must take effect on any GRPOTrainer
+
+
+#: the beta a KL budget starts from where the config leaves TRL's default beta = 0 (no KL term, no reference model):
+#: beta is then only the controller's starting value. 0.04 is the GRPO paper's KL coefficient (DeepSeekMath); in the
+#: budget measurements (docs/kl_budget.md) runs started above the final beta ended nearer pi* than runs started
+#: below it. Pinned by tests/trl/test_budget.py::test_budget_with_trls_default_beta_starts_at_the_start_beta.
+BUDGET_START_BETA = 0.04
+
+
+def field_settings(kl_preset: str | None, kl_is_clip: float | None = None, kl_target: float | None = None,
+                   kl_discount: float | None = None) -> Settings | None:
+    """The settings KLGRPOConfig's fields select (TrlParser: --kl_preset, --kl_is_clip, --kl_target, --kl_discount):
+    kl_preset's value, with kl_is_clip / kl_target in place of its own options; None without kl_preset (KL_ADAPTERS
+    then applies, with kl_target as its budget). SettingError naming the fields for what every path refuses
+    (`activation.checked`), kl_is_clip or kl_discount without kl_preset (silent no-ops), two different budgets and a
+    kl_discount the preset cannot take. KLGRPOConfig and the doctor call it. Pinned by tests/trl/test_activation.py."""
+    given = {"kl_preset": kl_preset, "kl_is_clip": kl_is_clip, "kl_target": kl_target, "kl_discount": kl_discount}
+    where = ", ".join(f"{key}={value!r}" for key, value in given.items() if value is not None)
+    settings = activation.parse(kl_preset, setting="kl_preset")
+    if settings is None:
+        if kl_is_clip is not None or kl_discount is not None:
+            raise activation.SettingError(f"{where}: kl_is_clip and kl_discount need kl_preset (without it they would "
+                                          "be silent no-ops); set kl_preset, e.g. 'sequence'")
+        return None
+    if None not in (kl_target, settings.kl_target) and kl_target != settings.kl_target:
+        raise activation.SettingError(f"{where}: two KL budgets; give one")
+    settings = activation.checked(Settings(settings.preset, settings.is_clip if kl_is_clip is None else kl_is_clip,
+                                           settings.kl_target if kl_target is None else kl_target), where)
+    if kl_discount is not None:
+        try:
+            check_discount(kl_discount, get_preset(settings.preset))
+        except ValueError as err:
+            raise activation.SettingError(f"{where}: {err}") from None
+    return settings
+
+
+def start_budget(args: GRPOConfig) -> None:
+    """A KL budget on a config whose beta is TRL's default 0 starts from BUDGET_START_BETA: beta is only the
+    controller's starting value, and TRL builds its reference model only for beta > 0, so this must happen before
+    GRPOTrainer.__init__ (KLGRPOConfig.__post_init__, and `_checked_init` for KL_ADAPTERS)."""
+    settings = settings_of(args)
+    if settings is not None and settings.kl_target is not None and args.beta == 0.0:
+        args.beta = BUDGET_START_BETA
+
+
+def _zero_beta(setting: str) -> str:
+    return (f"{setting} with beta=0.0 would be a silent no-op: TRL builds no reference model when beta == 0; set beta > "
+            f"0 (or kl_target, a KL budget, which starts from beta={BUDGET_START_BETA})")
 
 
 def settings_for(trainer: GRPOTrainer) -> Settings | None:
@@ -227,7 +274,7 @@ def settings_of(args: GRPOConfig) -> Settings | None:
     """The KL settings of a TRL config: its kl_preset if set (with kl_is_clip, or the value's own is_clip), else
     enable()/KL_ADAPTERS; a kl_target field (KLGRPOConfig) sets the budget of either."""
     preset = getattr(args, "kl_preset", None)
-    settings = activation.resolve(preset)
+    settings = activation.resolve(preset, setting="kl_preset")
     if preset not in (None, "") and settings is not None:
         is_clip = args.kl_is_clip if args.kl_is_clip is not None else settings.is_clip
         settings = Settings(settings.preset, is_clip, settings.kl_target)
@@ -705,24 +752,23 @@ def _off_policy(args: GRPOConfig) -> bool:
 
 
 def check_budget(args: GRPOConfig) -> None:
-    """Refuse a KL budget that cannot do what it says, at configuration time (KLGRPOConfig.__post_init__; the
-    trainer's __init__ for the KL_ADAPTERS route): a target that is not a finite number > 0, no KL term to adjust (no
-    preset, kl_preset 'off', beta == 0), two different targets, or a preset whose gradient is not the sequence KL's
-    for this trainer's batches or an is_clip (`budget.check_budget_preset`). Pinned by
+    """Refuse, at configuration time (KLGRPOConfig.__post_init__; the trainer's __init__ for the KL_ADAPTERS route), a
+    KL budget that cannot do what it says in this trainer: no KL term to adjust (no preset, kl_preset 'off'; beta ==
+    0, which `start_budget` leaves only where TRL made the config itself), or a preset whose gradient is not the
+    sequence KL's for this trainer's (off-policy) batches (`budget.check_budget_preset`). What every path refuses
+    (a bad target, a preset biased on-policy, is_clip) `activation.validate` has refused already. Pinned by
     tests/trl/test_budget.py::test_bad_budgets_are_refused_at_configuration."""
-    field_target = getattr(args, "kl_target", None)
-    if field_target is not None:
-        check_target(field_target)
     settings = settings_of(args)
     if settings is None:
-        raise ValueError("kl_target needs a KL term to adjust: set kl_preset (e.g. 'sequence') or KL_ADAPTERS")
-    inline = activation.parse(args.kl_preset) if getattr(args, "kl_preset", None) else None
-    if inline is not None and None not in (inline.kl_target, field_target) and inline.kl_target != field_target:
-        raise ValueError(f"two KL budgets: kl_preset={args.kl_preset!r} and kl_target={field_target}; give one")
+        raise activation.SettingError("kl_target needs a KL term to adjust: set kl_preset (e.g. 'sequence') or "
+                                      "KL_ADAPTERS")
     if args.beta == 0.0:
-        raise ValueError("kl_target with beta=0.0 has no KL term to adjust (TRL builds no reference model when beta == "
-                         "0): set beta > 0, the controller's starting value")
-    check_budget_preset(settings.preset, settings.is_clip, off_policy=_off_policy(args))
+        raise activation.SettingError(f"kl_target with beta=0.0: pass GRPOTrainer a GRPOConfig (its beta 0 then "
+                                      f"starts the budget at {BUDGET_START_BETA}), or set beta > 0")
+    try:
+        check_budget_preset(settings.preset, settings.is_clip, off_policy=_off_policy(args))
+    except ValueError as err:
+        raise activation.SettingError(str(err)) from None
 
 
 class KLBudgetCallback(TrainerCallback, ExportableState):
@@ -782,17 +828,29 @@ def observe_budget(trainer: GRPOTrainer, mode: str, total: float, count: float) 
         trainer._metrics[mode][key].append(value)
 
 
-def _with_budget(original_init):
-    """GRPOTrainer.__init__, then, with a KL budget (kl_target or KL_ADAPTERS=<preset>:kl_target=...), its checks
-    and its `KLBudgetCallback`; without one, nothing else."""
+def _checked_init(original_init):
+    """GRPOTrainer.__init__ under kl-adapters' settings (KLGRPOConfig's fields, else KL_ADAPTERS / enable()): a KL budget
+    on beta 0 starts from BUDGET_START_BETA (`start_budget`, before TRL decides whether to build a reference model);
+    then a preset with beta 0 is refused (a silent no-op), a budget gets its checks and `KLBudgetCallback`, and the
+    activation line is logged (`activation.announce`). Without settings, TRL's __init__ alone."""
+    signature = inspect.signature(original_init)
 
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
+        config = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
+        if config is not None:
+            start_budget(config)
         original_init(self, *args, **kwargs)
         settings = settings_for(self)
-        if settings is not None and settings.kl_target is not None and budget_of(self) is None:
+        if settings is None:
+            return
+        if self.beta == 0.0:
+            flag = "kl_preset" if getattr(self.args, "kl_preset", None) else activation.ENV_VAR
+            raise activation.SettingError(_zero_beta(f"{flag}={str(settings)!r}"))
+        if settings.kl_target is not None and budget_of(self) is None:
             check_budget(self.args)
             self.add_callback(KLBudgetCallback(settings.kl_target, self.beta))
+        activation.announce("trl", "loss", settings, f"beta {self.beta:g}")
 
     return init
 
@@ -864,14 +922,16 @@ def _kl_compute_loss(original):
 def patch(trigger: str) -> None:
     """Install the wrappers (idempotent); they fall through to TRL's code while no preset is set.
 
-    Refuses trl versions outside versions.TESTED. `trigger` is the TRL module just imported (see activation.ADAPTERS).
+    Refuses trl versions outside versions.TESTED, and a refused KL_ADAPTERS (`activation.check_environment`).
+    `trigger` is the TRL module just imported (see activation.ADAPTERS).
     """
+    activation.check_environment()
     require_version("trl")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     _wrap(GRPOTrainer, "compute_loss", _kl_compute_loss)
     _wrap(GRPOTrainer, "_generate_and_score_completions", _kl_generate)
-    _wrap(GRPOTrainer, "__init__", _with_budget)
+    _wrap(GRPOTrainer, "__init__", _checked_init)
     rloo = sys.modules.get("trl.trainer.rloo_trainer")
     if rloo is not None and hasattr(rloo, "RLOOTrainer"):
         _wrap(rloo.RLOOTrainer, "__init__", _check_rloo)

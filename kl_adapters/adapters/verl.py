@@ -157,7 +157,7 @@ ADVANTAGES_ENV = "KL_ADAPTERS_VERL_ADVANTAGES"
 _FULL = ("verl's kl estimator 'full' (analytic KL) raises NotImplementedError in verl 0.9.1, and kl-adapters does not "
          "offer it (ppo_loss never receives the full-vocabulary logits). Use kl_adapters:sequence, the exact "
          "sequence-level estimator, or one of verl's sampled estimators.")
-_FULL_PRESET = ("kl_adapters:full needs the full next-token distributions of the policy and the reference in the loss; "
+_FULL_PRESET = ("preset 'full' needs the full next-token distributions of the policy and the reference in the loss; "
                 "verl's actor receives only the reference's sampled-token log-probs (ref_log_prob from the ref worker) "
                 "and ppo_loss never sees full-vocabulary logits, so kl-adapters cannot compute it in verl. Use "
                 "kl_adapters:sequence (the exact sequence-level gradient from sampled tokens), or TRL's GRPOTrainer "
@@ -170,16 +170,23 @@ _LENGTH_NORMALISED = ("loss_agg_mode=seq-mean-token-mean divides each sequence's
 # ----------------------------------------------------------------------------------------------- flag resolution
 
 
-def flag_settings(name: str, default: Settings | None) -> Settings | None:
-    """The settings a verl estimator name selects: ``kl_adapters:<value>`` parses <value>; verl's own names defer to
-    `default` (the KL_ADAPTERS / enable() setting). None means verl's own code runs."""
+#: the config keys whose value may be a ``kl_adapters:`` name: the actor's KL loss and the KL in the reward
+LOSS_KEY, REWARD_KEY = "actor_rollout_ref.actor.kl_loss_type", "algorithm.kl_penalty"
+#: where a verl config can carry KL_ADAPTERS to the Ray job
+RUNTIME_ENV_KEY = f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}"
+
+
+def flag_settings(name: str, default: Settings | None, key: str = LOSS_KEY) -> Settings | None:
+    """The settings a verl estimator name (the value of `key`) selects: ``kl_adapters:<value>`` parses <value>
+    (SettingError naming `key` when refused); verl's own names defer to `default` (the KL_ADAPTERS / enable()
+    setting). None means verl's own code runs."""
     if isinstance(name, str) and name.startswith(PREFIX):
-        settings = parse(name[len(PREFIX):])
+        settings = parse(name[len(PREFIX):], setting=key, written=name)
         if settings is None:
             raise ValueError(f"{name!r} selects no preset: name one ({PREFIX}sequence, ...) or use verl's estimator")
         return settings
     if default is not None and name == "full":
-        raise ValueError(_FULL)
+        raise ValueError(f"{key}=full with {ENV_VAR}={str(default)!r}: {_FULL}")
     return default
 
 
@@ -189,8 +196,6 @@ def check_loss_settings(settings: Settings, loss_agg_mode: str) -> None:
         raise ValueError(_FULL_PRESET)
     if loss_agg_mode == "seq-mean-token-mean":
         raise ValueError(_LENGTH_NORMALISED)
-    if settings.is_clip is not None and not get_preset(settings.preset).uses_importance_weights:
-        raise ValueError(f"preset {settings.preset!r} applies no importance weights, so is_clip would be a no-op")
 
 
 def check_reward_settings(settings: Settings) -> None:
@@ -205,62 +210,73 @@ def check_reward_settings(settings: Settings) -> None:
         raise ValueError("is_clip caps importance weights, which the reward path does not apply (PPO's ratio does)")
 
 
-def check_config(config) -> None:
-    """Refuse flag combinations that would be silent no-ops, count the KL twice, or optimize another objective.
+def check_config(config) -> tuple[str, Settings] | None:
+    """Refuse flag combinations that would be silent no-ops, count the KL twice, or optimize another objective; return
+    the KL path ("loss" or "reward") and the settings kl-adapters applies there (None: verl's own KL).
 
     `config` is verl's full Hydra config (run in the driver by the patched ``validate_config``, before Ray starts).
     The environment setting is KL_ADAPTERS of this process or of ``ray_kwargs.ray_init.runtime_env.env_vars``.
-    Pinned by tests/verl/test_config.py.
+    Pinned by tests/verl/test_config.py and tests/verl/test_activation.py::test_table_on_every_verl_path.
     """
     actor, algo = config.actor_rollout_ref.actor, config.algorithm
-    default = _environment_settings(config)
+    default, source = _environment_settings(config)
     use_loss, use_reward = bool(actor.use_kl_loss), bool(algo.get("use_kl_in_reward", False))
     for key, name, switch, used in (
-        ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, "actor_rollout_ref.actor.use_kl_loss", use_loss),
-        ("algorithm.kl_penalty", algo.kl_penalty, "algorithm.use_kl_in_reward", use_reward),
+        (LOSS_KEY, actor.kl_loss_type, "actor_rollout_ref.actor.use_kl_loss", use_loss),
+        (REWARD_KEY, algo.kl_penalty, "algorithm.use_kl_in_reward", use_reward),
     ):
-        if not used and flag_settings(name, None) is not None:
+        if not used and flag_settings(name, None, key) is not None:
             raise ValueError(f"{key}={name} has no effect while {switch}=False: set {switch}=True")
     if default is not None and not (use_loss or use_reward):
-        raise ValueError(f"{ENV_VAR}={default} has no effect: verl has no KL term (set "
+        raise ValueError(f"{source}={default} has no effect: verl has no KL term (set "
                          "actor_rollout_ref.actor.use_kl_loss=True or algorithm.use_kl_in_reward=True)")
-    loss = flag_settings(actor.kl_loss_type, default) if use_loss else None
-    reward = flag_settings(algo.kl_penalty, default) if use_reward else None
+    loss = flag_settings(actor.kl_loss_type, default, LOSS_KEY) if use_loss else None
+    reward = flag_settings(algo.kl_penalty, default, REWARD_KEY) if use_reward else None
     if (loss or reward) and use_loss and use_reward:
         raise ValueError("the KL is both in the reward (algorithm.use_kl_in_reward) and in the loss "
                          "(actor.use_kl_loss): with kl-adapters each path is exact on its own, so enabling both "
                          "regularizes twice (with two betas). Enable exactly one.")
-    if loss:
-        check_loss_settings(loss, actor.loss_agg_mode)
-    if reward:
-        check_reward_settings(reward)
-        if actor.loss_agg_mode == "seq-mean-token-mean":
-            raise ValueError(_LENGTH_NORMALISED)
+    try:
+        if loss:
+            check_loss_settings(loss, actor.loss_agg_mode)
+        if reward:
+            check_reward_settings(reward)
+            if actor.loss_agg_mode == "seq-mean-token-mean":
+                raise ValueError(_LENGTH_NORMALISED)
+    except ValueError as err:
+        name, key = (actor.kl_loss_type, LOSS_KEY) if loss else (algo.kl_penalty, REWARD_KEY)
+        raise ValueError(f"{f'{key}={name!r}' if name.startswith(PREFIX) else f'{source}={str(default)!r}'}: "
+                         f"{err}") from None
     check_budget_config(config, loss, reward)
+    return ("loss", loss) if loss else ("reward", reward) if reward else None
 
 
-def _environment_settings(config) -> Settings | None:
-    """The KL_ADAPTERS setting a verl run gets: active in this process, or in its environment, or in the config's
-    ``ray_kwargs.ray_init.runtime_env.env_vars``."""
+def _environment_settings(config) -> tuple[Settings | None, str]:
+    """The KL_ADAPTERS setting a verl run gets -- active in this process, or in its environment, or in the config's
+    ``ray_kwargs.ray_init.runtime_env.env_vars`` -- and where it was set (for messages)."""
     from omegaconf import OmegaConf
 
-    in_runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
-    return activation.active() or parse(os.environ.get(ENV_VAR)) or parse(in_runtime_env)
+    in_process = activation.active() or parse(os.environ.get(ENV_VAR))
+    if in_process is not None:
+        return in_process, ENV_VAR
+    return parse(OmegaConf.select(config, RUNTIME_ENV_KEY, default=None), setting=RUNTIME_ENV_KEY), RUNTIME_ENV_KEY
 
 
 def _loss_settings(config) -> Settings | None:
     if not config.use_kl_loss:
         return None
-    settings = flag_settings(config.kl_loss_type, activation.active())
+    settings = flag_settings(config.kl_loss_type, activation.active(), LOSS_KEY)
     if settings is not None:
         check_loss_settings(settings, config.loss_agg_mode)
+        activation.announce("verl", "loss", settings)
     return settings
 
 
 def _reward_settings(kl_penalty: str) -> Settings | None:
-    settings = flag_settings(kl_penalty, activation.active())
+    settings = flag_settings(kl_penalty, activation.active(), REWARD_KEY)
     if settings is not None:
         check_reward_settings(settings)
+        activation.announce("verl", "reward", settings)
     return settings
 
 
@@ -950,7 +966,7 @@ def _with_advantage_scaling(runtime_env: dict, config) -> dict:
     actor = None if config is None else config.actor_rollout_ref.actor
     if actor is None or not actor.use_kl_loss:
         return runtime_env
-    settings = flag_settings(actor.kl_loss_type, _environment_settings(config))
+    settings = flag_settings(actor.kl_loss_type, _environment_settings(config)[0])
     if settings is None or not get_preset(settings.preset).uses_batch_statistics:
         return runtime_env
     algo = config.algorithm
@@ -962,7 +978,9 @@ def _validate_first(validate_config: Callable) -> Callable:
     """Run `check_config` before verl's own validate_config (in the driver, before Ray starts)."""
 
     def patched(config, *args, **kwargs):
-        check_config(config)
+        applied = check_config(config)
+        if applied is not None:
+            activation.announce("verl", *applied)
         return validate_config(config, *args, **kwargs)
 
     return patched
@@ -1048,7 +1066,9 @@ def patch(trigger: str) -> None:
     """Wrap the functions of `SITES[trigger]` (idempotent). Refuses verl versions not in versions.TESTED, and functions
     whose signature differs from the tested one of that release, with UnsupportedFrameworkError. Copies made by
     `from <trigger> import name` in verl modules loaded before this call are rebound too (the import-site binding
-    pitfall), except kl_penalty and get_policy_loss_fn, which are wrapped only where ppo_loss looks them up."""
+    pitfall), except kl_penalty and get_policy_loss_fn, which are wrapped only where ppo_loss looks them up. A refused
+    KL_ADAPTERS raises its SettingError (`activation.check_environment`)."""
+    activation.check_environment()
     version = require_version("verl")
     for site in SITES[trigger]:
         module = sys.modules[site.module or trigger]

@@ -4,7 +4,9 @@
 actor/ref/critic worker, on every node where kl-adapters is installed -- unless VERL_USE_EXTERNAL_PLUGINS excludes it
 (then ``actor_rollout_ref.model.external_lib=kl_adapters.adapters.verl_plugin`` imports it in the TaskRunner and the
 workers instead). Importing it:
-  1. activates KL_ADAPTERS from the environment, as `kl_adapters.autoload` does;
+  1. activates KL_ADAPTERS from the environment, as importing kl_adapters does (read again here: a driver may set it
+     after importing kl_adapters); a refused value then stops the first import of a patched verl module with its one
+     line (`kl_adapters.activation`), since verl's plugin loader would swallow an error raised here;
   2. patches verl's KL modules (the "verl" triggers of `kl_adapters.activation.ADAPTERS`) when they are imported, or at
      once if they already are, so that a verl config naming ``kl_adapters:<preset>`` works without the environment
      variable. The wrappers run verl's own functions unchanged unless a flag selects a preset
@@ -26,10 +28,7 @@ _log = logging.getLogger("kl_adapters")
 
 def install() -> None:
     """Activate from KL_ADAPTERS and arm the patching of verl's trigger modules (idempotent)."""
-    try:
-        activation.activate_from_env()
-    except ValueError as exc:
-        _log.warning("kl-adapters: %s", exc)
+    activation.activate_from_env(defer=True)
     try:
         require_version("verl")
     except Exception as exc:  # noqa: BLE001 - UnsupportedFrameworkError, or verl metadata missing

@@ -1,23 +1,34 @@
-"""The framework-agnostic activation machinery: enable/disable, KL_ADAPTERS, lazy and reversible patching."""
+"""The framework-agnostic activation machinery: enable/disable, KL_ADAPTERS, lazy and reversible patching, the
+activation table on `parse` and through the .pth hook, the activation log line."""
 
+import importlib.util
+import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from kl_adapters import activation
-from kl_adapters.activation import Settings, parse
+from kl_adapters.activation import Settings, SettingError, parse
+
+# tests/activation_table.py, loaded by path: tests/ on sys.path would make tests/trl etc. importable as namespace
+# packages named like the frameworks this environment does not have
+_spec = importlib.util.spec_from_file_location("activation_table", Path(__file__).parents[1] / "activation_table.py")
+_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_table)
+TABLE, cases, check_refusal = _table.TABLE, _table.cases, _table.check_refusal
 
 
-@pytest.fixture()
-def fake_framework(tmp_path, monkeypatch):
-    """A throwaway framework `fakefw` whose `fakefw.losses.kl()` an adapter `fake_adapter` patches."""
-    (tmp_path / "fakefw").mkdir()
-    (tmp_path / "fakefw" / "__init__.py").write_text("")
-    (tmp_path / "fakefw" / "losses.py").write_text("def kl():\n    return 'original'\n")
-    (tmp_path / "fake_adapter.py").write_text(textwrap.dedent("""
+def write_fake_framework(folder: Path) -> None:
+    """A throwaway framework `fakefw` whose `fakefw.losses.kl()` an adapter `fake_adapter` patches, in `folder`."""
+    (folder / "fakefw").mkdir()
+    (folder / "fakefw" / "__init__.py").write_text("")
+    (folder / "fakefw" / "losses.py").write_text("def kl():\n    return 'original'\n")
+    (folder / "fake_adapter.py").write_text(textwrap.dedent("""
         import sys
         from kl_adapters.activation import active
         calls = []
@@ -36,6 +47,12 @@ def fake_framework(tmp_path, monkeypatch):
             if _orig is not None:
                 sys.modules["fakefw.losses"].kl, _orig = _orig, None
     """))
+
+
+@pytest.fixture()
+def fake_framework(tmp_path, monkeypatch):
+    """`write_fake_framework`'s framework on sys.path, its trigger registered."""
+    write_fake_framework(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(activation.ADAPTERS, "fakefw", ("fake_adapter", ("fakefw.losses",)))
     monkeypatch.delenv(activation.ENV_VAR, raising=False)
@@ -75,33 +92,100 @@ def test_disable_restores_everything(fake_framework):
     assert not any(isinstance(f, activation._PostImportFinder) for f in sys.meta_path)
 
 
-def test_env_preset_is_validated_when_a_framework_is_patched(fake_framework, monkeypatch):
-    """At interpreter start the name cannot be checked without importing torch; the first patch checks it."""
+def test_env_preset_is_checked_before_a_framework_module_runs(fake_framework, monkeypatch):
+    """At interpreter start a preset name cannot be checked without importing torch: the value is kept unchecked, and
+    the first framework import checks it and stops with its one line before the framework's module runs."""
     monkeypatch.setenv(activation.ENV_VAR, "k5-loss")
-    activation._activate(parse("k5-loss", check_preset=False))
-    with pytest.raises(ValueError, match="unknown KL preset 'k5-loss'"):
+    activation._activate(Settings("k5-loss"), unchecked="KL_ADAPTERS='k5-loss'")
+    with pytest.raises(SystemExit, match="^kl-adapters: KL_ADAPTERS='k5-loss': unknown KL preset 'k5-loss'"):
         import fakefw.losses  # noqa: F401
+    assert "fakefw.losses" not in sys.modules
+    with pytest.raises(SettingError, match="unknown KL preset"):  # every later use refuses too
+        activation.active()
+
+
+def test_deferred_refusal_is_raised_by_every_use(fake_framework, monkeypatch):
+    """activate_from_env(defer=True) (the import of kl_adapters, from the .pth hook) records a refusal; active(),
+    the framework import and activate_from_env() raise it; enable() and disable() replace KL_ADAPTERS and clear it."""
+    monkeypatch.setenv(activation.ENV_VAR, "sequence:foo=1")
+    assert activation.activate_from_env(defer=True) is None
+    with pytest.raises(SettingError, match="unknown option 'foo'"):
+        activation.active()
+    with pytest.raises(SettingError, match="unknown option 'foo'"):
+        activation.activate_from_env()
+    with pytest.raises(SystemExit, match="unknown option 'foo'"):
+        import fakefw.losses  # noqa: F401
+    activation.enable("sequence")
+    import fakefw.losses
+
+    assert fakefw.losses.kl() == "patched:sequence"
 
 
 @pytest.mark.parametrize(("value", "expected"), [
     ("sequence", Settings("sequence")),
     (" reward ", Settings("reward")),
     ("sequence:is_clip=2", Settings("sequence", 2.0)),
+    ("sequence:kl_target=0.5", Settings("sequence", None, 0.5)),
     ("off", None), ("", None), ("0", None), (None, None), ("None", None),
 ])
 def test_parse(value, expected):
     assert parse(value) == expected
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("bogus", "unknown KL preset 'bogus'"),
-    ("sequence:clip=2", "unknown KL_ADAPTERS option 'clip'"),
-    ("sequence:is_clip=abc", "needs a number"),
-    ("sequence:is_clip=0.5", ">= 1"),
-])
-def test_parse_rejects(value, message):
-    with pytest.raises(ValueError, match=message):
-        parse(value)
+@pytest.mark.parametrize(("value", "refused"), cases())
+def test_table_on_parse(value, refused):
+    """The one check every path makes (activation.validate through parse): a refusal names the setting as written."""
+    if refused is None:
+        assert parse(value) == parse(str(parse(value)))
+        return
+    with pytest.raises(SettingError) as error:
+        parse(value, setting="--some.flag")
+    check_refusal(str(error.value), refused, f"--some.flag={value!r}")
+
+
+PTH_PROBE = textwrap.dedent("""
+    import json, sys
+    from kl_adapters import activation
+    activation.ADAPTERS["fakefw"] = ("fake_adapter", ("fakefw.losses",))  # a stand-in framework's trigger
+    import fakefw.losses  # a refused KL_ADAPTERS stops the run here
+    print("TRAINED" + json.dumps({"active": str(activation.active()), "patched": fakefw.losses.kl()}))
+""")
+
+
+@pytest.fixture(scope="module")
+def pth_runs(tmp_path_factory) -> dict:
+    """One fresh interpreter per table value, KL_ADAPTERS set, run concurrently: the installed
+    kl_adapters_autoload.pth line imports kl_adapters at start; the probe imports a stand-in framework."""
+    tmp = tmp_path_factory.mktemp("pth")
+    write_fake_framework(tmp)
+    (tmp / "probe.py").write_text(PTH_PROBE)
+    return _table.run_each([sys.executable, "probe.py"], tmp, at_once=len(TABLE))
+
+
+@pytest.mark.parametrize(("value", "refused"), cases())
+def test_table_through_the_pth_hook(pth_runs, value, refused):
+    """KL_ADAPTERS in a fresh interpreter: accepted values patch the framework at its import; a refused one (even one
+    the .pth line cannot check without torch) stops the run at the framework's import, exit status 1, with one line
+    on stderr, never swallowed by Python's site module (which ignores a failing .pth line)."""
+    returncode, out, err = pth_runs[value]
+    if refused is None:
+        assert returncode == 0, err[-2000:]
+        probe = json.loads(out.split("TRAINED", 1)[1])
+        assert probe == {"active": str(parse(value)), "patched": f"patched:{parse(value)}"}
+        return
+    assert returncode == 1 and "TRAINED" not in out and "Error processing line" not in err, (out, err)
+    assert err.startswith("kl-adapters: ")
+    check_refusal(err, refused, f"KL_ADAPTERS={value!r}")
+
+
+def test_announce_logs_one_line_per_process(caplog):
+    caplog.set_level(logging.WARNING, logger="kl_adapters")
+    settings = Settings("sequence", None, 0.5)
+    for _ in range(3):  # e.g. once per step
+        activation.announce("pytest", "loss", settings, "beta 0.04")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kl_adapters"]
+    assert len(lines) == 1 and lines[0].startswith("kl-adapters: preset sequence active in pytest ")
+    assert lines[0].endswith("(KL path: loss; kl_target 0.5; beta 0.04)")
 
 
 def test_settings_round_trip_exactly():
@@ -111,9 +195,9 @@ def test_settings_round_trip_exactly():
 
 def test_config_flag_wins_over_environment(fake_framework):
     activation.enable("reward")
-    assert activation.resolve("sequence") == Settings("sequence")
-    assert activation.resolve(None) == Settings("reward")
-    assert activation.resolve("off") is None
+    assert activation.resolve("sequence", setting="flag") == Settings("sequence")
+    assert activation.resolve(None, setting="flag") == Settings("reward")
+    assert activation.resolve("off", setting="flag") is None
 
 
 def test_ray_runtime_env_carries_the_setting(fake_framework):

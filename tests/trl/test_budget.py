@@ -86,7 +86,6 @@ def test_environment_variable_route(model_dir, dataset, monkeypatch):
     (dict(kl_target=float("inf")), "kl_target must be a finite number > 0"),
     (dict(kl_target=0.5, kl_preset="off"), "needs a KL term"),
     (dict(kl_target=0.5, kl_preset=None), "needs a KL term"),
-    (dict(kl_target=0.5, beta=0.0), "beta=0.0"),
     (dict(kl_target=0.5, kl_preset="token"), "does not follow its gradient"),
     (dict(kl_target=0.5, kl_preset="k3-loss"), "does not follow its gradient"),
     (dict(kl_target=0.5, kl_preset="reward", num_iterations=2), "off-policy"),
@@ -108,10 +107,31 @@ def test_bad_budget_through_the_environment_is_refused_at_trainer_construction(m
     try:
         with pytest.raises(ValueError, match="off-policy"):
             make_trainer(model_dir, dataset, args=grpo_args(GRPOConfig, num_iterations=2))
-        with pytest.raises(ValueError, match="beta=0.0"):
-            make_trainer(model_dir, dataset, args=grpo_args(GRPOConfig, beta=0.0))
     finally:
         kl_adapters.disable()
+
+
+@pytest.mark.parametrize("route", ["field", "KL_ADAPTERS"])
+def test_budget_with_trls_default_beta_starts_at_the_start_beta(model_dir, dataset, monkeypatch, route):
+    """A target with TRL's default beta = 0 (no KL term, no reference model): beta is only the controller's start,
+    so the config starts it at BUDGET_START_BETA before GRPOTrainer decides whether to build a reference model; a real
+    GRPOTrainer then has its reference and the budget moves beta from there."""
+    from trl import GRPOConfig
+
+    monkeypatch.delenv("KL_ADAPTERS", raising=False)
+    if route == "field":
+        args = grpo_args(beta=0.0, kl_target=0.5, max_steps=2)  # KLGRPOConfig(kl_preset="sequence", ...)
+    else:
+        kl_adapters.enable("sequence", kl_target=0.5)
+        args = grpo_args(GRPOConfig, beta=0.0, max_steps=2)
+    try:
+        trainer = make_trainer(model_dir, dataset, args=args)
+        assert args.beta == trainer.beta == adapter.BUDGET_START_BETA == 0.04 and trainer.ref_model is not None
+        trainer.train()
+    finally:
+        kl_adapters.disable()
+    betas = logged(trainer, "kl_adapters/beta")
+    assert betas[0] == 0.04 and len(betas) == 2 and betas[1] != 0.04
 
 
 @pytest.mark.compat

@@ -82,8 +82,8 @@ def test_rollout_statistics_are_discounted(model_dir, dataset):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(kl_preset=None, kl_discount=0.9), "kl_discount is set but kl_preset is not"),
-    (dict(kl_preset="off", kl_discount=0.9), "kl_discount is set but kl_preset is not"),
+    (dict(kl_preset=None, kl_discount=0.9), "kl_discount=0.9: kl_is_clip and kl_discount need kl_preset"),
+    (dict(kl_preset="off", kl_discount=0.9), "kl_discount=0.9: kl_is_clip and kl_discount need kl_preset"),
     (dict(kl_preset="token", kl_discount=0.9), "no future-KL return to discount"),
     (dict(kl_preset="k3-loss", kl_discount=0.99), "no future-KL return to discount"),
     (dict(kl_discount=0.0), r"discount must be a number in \(0, 1\]"),
@@ -107,7 +107,7 @@ def test_trl_parser_flag():
 
 def test_doctor_reports_the_dials_exact_bias():
     """`kl-adapters doctor trl ... --kl_discount gamma`: the audit's exact relative bias of the discounted return (a
-    bias hazard, exit 1); gamma = 1 is unbiased; what KLGRPOConfig refuses is reported as refused."""
+    bias hazard, exit 1); gamma = 1 is unbiased; what KLGRPOConfig refuses is the verdict refused (exit 3)."""
     from kl_adapters.audit import audit
     from kl_adapters.doctor import diagnose
     from kl_adapters.doctor.report import AUDIT_ARGS
@@ -122,8 +122,8 @@ def test_doctor_reports_the_dials_exact_bias():
     assert report.exit_code == 1 and f"exact relative bias {row.relative_bias:.2%}" in found["discounted"]
     report, found = hazards("--kl_preset", "sequence", "--kl_discount", "1")
     assert report.verdict == "unbiased" and not found
-    for flags, message in [(("--kl_discount", "0.9"), "kl_preset is not"),
+    for flags, message in [(("--kl_discount", "0.9"), "need kl_preset"),
                            (("--kl_preset", "token", "--kl_discount", "0.9"), "no future-KL return"),
                            (("--kl_preset", "sequence", "--kl_discount", "2"), "discount must be")]:
         report, found = hazards(*flags)
-        assert report.exit_code == 1 and message in found["refused"], flags
+        assert report.verdict == "refused" and report.exit_code == 3 and message in found["refused"], flags

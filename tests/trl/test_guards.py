@@ -28,8 +28,8 @@ def test_refuses_untested_trl_version(monkeypatch):
     (dict(kl_preset="sequence", beta=0.0), "silent no-op"),
     (dict(kl_preset=None, kl_is_clip=2.0), "silent no-op"),
     (dict(kl_preset="sequence", kl_is_clip=0.5), ">= 1"),
-    (dict(kl_preset="full", kl_is_clip=2.0), "does not apply to kl_preset='full'"),
-    (dict(kl_preset="full:is_clip=2"), "does not apply to kl_preset='full'"),  # the value's is_clip counts too
+    (dict(kl_preset="full", kl_is_clip=2.0), "is_clip does not apply to preset 'full'"),
+    (dict(kl_preset="full:is_clip=2"), "is_clip does not apply to preset 'full'"),  # the value's is_clip counts too
 ])
 def test_bad_config_raises(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,6 @@
 """How the adapter gets into a verl process, and its guards: the `verl.plugins` entry point (every process that imports
 verl), the KL_ADAPTERS .pth hook, `external_lib` (late import: name-import sites rebound), the version and
-code-path guards."""
+code-path guards; the activation table on every verl path, and a refused KL_ADAPTERS stopping verl's import."""
 
 import importlib.metadata
 import json
@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,9 @@ from kl_adapters.adapters import verl as verl_adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
 from kl_adapters.adapters.versions import supported_range
 from verl_cases import LOADS_ENTRY_POINTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from activation_table import cases, check_refusal  # noqa: E402
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -140,3 +144,57 @@ def test_changed_verl_function_is_refused(monkeypatch):
     with pytest.raises(UnsupportedFrameworkError, match="kl_penalty.*not the function kl-adapters was tested with"):
         verl_adapter.patch("verl.workers.utils.losses")
     monkeypatch.undo()  # before the autouse fixture re-patches
+
+
+# ---- the activation table (tests/activation_table.py) on every verl path -------------------------------------------
+
+#: verl's KL loss on, and the micro-batch sizes verl's own validate_config wants (those of examples/verl_grpo.sh)
+LOSS_ON = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"]
+#: path -> (its Hydra overrides for a value, the setting its refusal names)
+VERL_PATHS = {
+    "kl_loss_type": (lambda value: [f"actor_rollout_ref.actor.kl_loss_type='kl_adapters:{value}'"],
+                     lambda value: f"actor_rollout_ref.actor.kl_loss_type='kl_adapters:{value}'"),
+    "runtime_env": (lambda value: [f"+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS='{value}'"],
+                    lambda value: f"ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS={value!r}"),
+    "KL_ADAPTERS": (lambda value: [], lambda value: f"KL_ADAPTERS={value!r}"),
+}
+
+
+@pytest.mark.parametrize("path", list(VERL_PATHS))
+@pytest.mark.parametrize(("value", "refused"), cases("verl"))
+def test_table_on_every_verl_path(path, value, refused, monkeypatch, caplog):
+    """The Hydra value, the Ray job's runtime_env and KL_ADAPTERS (read at interpreter start, as the .pth hook reads
+    it) accept and refuse the same values, in verl's own validate_config in the driver before Ray starts; accepted,
+    the driver logs the activation line."""
+    from test_config import compose
+    from verl.trainer import main_ppo
+
+    overrides, setting = VERL_PATHS[path]
+    if path == "KL_ADAPTERS":
+        monkeypatch.setenv(activation.ENV_VAR, value)
+        activation.activate_from_env(defer=True)
+    monkeypatch.setattr(activation, "_announced", set())
+    config = compose(LOSS_ON + overrides(value))
+    if refused is None:
+        main_ppo.validate_config(config, use_reference_policy=True, use_critic=False)
+        assert f"kl-adapters: preset {activation.parse(value).preset} active in verl" in caplog.text
+        return
+    with pytest.raises(ValueError) as error:
+        main_ppo.validate_config(config, use_reference_policy=True, use_critic=False)
+    check_refusal(str(error.value), refused, setting(value))
+
+
+def test_refused_environment_variable_stops_verls_import(tmp_path):
+    """KL_ADAPTERS refused in a fresh interpreter: verl's first patched module stops the run with one line, exit 1
+    (a .pth error would have been swallowed, and the plugin loader swallows plugin errors)."""
+    base = {k: v for k, v in os.environ.items() if k != activation.ENV_VAR}
+    for value, refused in (("sequnce", "unknown KL preset 'sequnce'"), ("sequence:kl_target=-1", "kl_target must")):
+        proc = subprocess.run([sys.executable, "-c", "import verl.trainer.ppo.ray_trainer; print('IMPORTED')"],
+                              env={**base, activation.ENV_VAR: value}, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 1 and "IMPORTED" not in proc.stdout, proc.stderr[-3000:]
+        (line,) = proc.stderr.strip().splitlines()
+        check_refusal(line, refused, f"KL_ADAPTERS={value!r}")

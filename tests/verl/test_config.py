@@ -62,7 +62,7 @@ BASE = ["algorithm.adv_estimator=grpo"]
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full",
       "+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=sequence"], "'full'"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=kl_adapters:full"],
-     "kl_adapters:full needs the full next-token distributions"),
+     "kl_loss_type=.kl_adapters:full.: preset .full. needs the full next-token distributions"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=kl_adapters:nope"],
      "unknown KL preset 'nope'"),
 ])

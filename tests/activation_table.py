@@ -1,0 +1,80 @@
+"""The activation table (issue 37): values in the KL_ADAPTERS syntax, and whether kl-adapters accepts them.
+
+One table, run on every activation path each suite's environment offers, so that every path accepts and refuses the
+same values (a refusal: one line naming the setting, its value and what is valid, before training starts):
+    core      `activation.parse`; KL_ADAPTERS through the installed .pth hook, a stand-in framework imported
+              (tests/core/test_activation.py)
+    trl       KLGRPOConfig(kl_preset=...); TrlParser's --kl_preset; KL_ADAPTERS through the .pth hook into GRPOTrainer
+              (tests/trl/test_activation.py)
+    verl      actor_rollout_ref.actor.kl_loss_type=kl_adapters:<value> and KL_ADAPTERS, through verl's validate_config
+              (tests/verl/test_activation.py)
+    openrlhf  the launcher's --algo.kl.preset; KL_ADAPTERS through the .pth hook into train_ppo_ray's argument parsing
+              (tests/openrlhf/test_activation.py)
+The verl and OpenRLHF paths use their KL loss (use_kl_loss / --algo.kl.use_loss), where every preset but `full` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+
+class Row(NamedTuple):
+    value: str
+    #: a fragment of the refusal's one line; None: accepted
+    refused: str | None
+    #: framework -> its own refusal, where that framework cannot run the preset at all
+    framework_refusal: dict[str, str] | None = None
+
+
+_NO_FULL_LOGITS = "full next-token distributions"  # verl and OpenRLHF never hand the loss both models' logits
+
+TABLE = (
+    Row("sequence", None),
+    Row("reward", None),
+    Row("sequence:is_clip=2", None),
+    Row("sequence:kl_target=0.5", None),
+    Row("full", None, {"verl": _NO_FULL_LOGITS, "openrlhf": _NO_FULL_LOGITS}),
+    Row("sequnce", "unknown KL preset 'sequnce'; valid presets: sequence, reward"),
+    Row("sequence:foo=1", "unknown option 'foo'; valid options: is_clip, kl_target"),
+    Row("sequence:is_clip=abc", "option is_clip needs a number"),
+    Row("sequence:is_clip=0.5", "is_clip must be finite and >= 1"),
+    Row("sequence:kl_target=-1", "kl_target must be a finite number > 0"),
+    Row("full:is_clip=5", "is_clip does not apply to preset 'full'"),
+    Row("k3-loss:is_clip=2", "preset 'k3-loss' applies no importance weights"),
+    Row("k3-loss:kl_target=0.5", "preset 'k3-loss' does not follow its gradient"),
+    Row("sequence:is_clip=2,kl_target=0.5", "capped importance weights"),
+)
+
+
+def expected(row: Row, framework: str | None = None) -> str | None:
+    """The refusal fragment of `row` in `framework` (None: accepted)."""
+    return (row.framework_refusal or {}).get(framework, row.refused)
+
+
+def cases(framework: str | None = None) -> list:
+    """pytest parameters (value, refusal fragment or None), one per row, with the value as id."""
+    return [pytest.param(row.value, expected(row, framework), id=row.value) for row in TABLE]
+
+
+def check_refusal(message: str, fragment: str, setting: str) -> None:
+    """A refusal is one line that names the setting and holds the row's fragment."""
+    assert "\n" not in message.strip(), message
+    assert setting in message and fragment in message, message
+
+
+def run_each(command: list[str], cwd: Path, at_once: int = 4) -> dict[str, tuple[int, str, str]]:
+    """value -> (exit status, stdout, stderr) of `command` in a fresh interpreter per table value, with KL_ADAPTERS
+    set to it (the installed kl_adapters_autoload.pth line reads it at interpreter start); `at_once` at a time."""
+    base = {k: v for k, v in os.environ.items() if k != "KL_ADAPTERS"}
+    values, results = [row.value for row in TABLE], {}
+    for start in range(0, len(values), at_once):
+        running = {value: subprocess.Popen(command, cwd=cwd, env={**base, "KL_ADAPTERS": value}, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                   for value in values[start:start + at_once]}
+        results.update({value: (proc.wait(timeout=600), *proc.communicate()) for value, proc in running.items()})
+    return results

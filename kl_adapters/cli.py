@@ -63,8 +63,9 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """Exit 0: the configuration's KL gradient is unbiased (or there is no KL); 1: biased or a no-op; 2: unreadable."""
-    from .doctor import DoctorError, diagnose, format_report
+    """Exit 0: the configuration's KL gradient is unbiased (or there is no KL); 1: biased or a no-op; 2: unreadable;
+    3: refused by kl-adapters (`doctor.report.EXIT_CODES`, `UNREADABLE`)."""
+    from .doctor import UNREADABLE, DoctorError, diagnose, format_report
 
     rest = list(args.args)
     as_json = "--json" in rest
@@ -80,7 +81,7 @@ def _doctor(args: argparse.Namespace) -> int:
         report = diagnose(args.framework, rest, **options)
     except DoctorError as err:
         print(f"kl-adapters doctor: cannot read this {args.framework} configuration: {err}", file=sys.stderr)
-        return 2
+        return UNREADABLE
     if as_json or args.json:
         json.dump(report.as_dict(), sys.stdout, indent=2)
         print()
@@ -93,6 +94,10 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo.run import main
 
     try:
+        if args.task:
+            from .demo.task.driver import quick
+
+            return quick(args.out)
         return main(args)
     except ModuleNotFoundError as err:  # the demo trains with TRL: a package of its environment is missing
         return _refuse("demo", f"needs TRL's environment ({err}): run `bash scripts/demo.sh`, which builds .venvs/trl, "
@@ -138,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="read a TRL / verl / OpenRLHF configuration and report what its KL gradient optimizes",
         description="kl-adapters doctor trl [--trainer grpo|rloo] ARGS|config.yaml|script.py ; doctor verl "
                     "OVERRIDES|launch.sh ; doctor openrlhf ARGS|launch.sh  (--json anywhere). Exit 0: unbiased or "
-                    "no KL; 1: biased or a no-op; 2: the configuration cannot be read.")
+                    "no KL; 1: biased or a no-op; 2: the configuration cannot be read (framework not installed, "
+                    "parser error); 3: kl-adapters refuses it.")
     doc.add_argument("--json", action="store_true", help="machine-readable report (schema: kl_adapters.doctor.SCHEMA)")
     doc.add_argument("framework", choices=("trl", "verl", "openrlhf"))
     doc.add_argument("args", nargs=argparse.REMAINDER, help="the framework's arguments, a config file or a script")

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import importlib
 
-from .report import SCHEMA, DoctorError, Report, format_report
+from .report import EXIT_CODES, SCHEMA, UNREADABLE, DoctorError, Report, format_report
 
 FRAMEWORKS = ("trl", "verl", "openrlhf")
 
-__all__ = ["FRAMEWORKS", "SCHEMA", "DoctorError", "Report", "diagnose", "format_report"]
+__all__ = ["EXIT_CODES", "FRAMEWORKS", "SCHEMA", "UNREADABLE", "DoctorError", "Report", "diagnose", "format_report"]
 
 
 def diagnose(framework: str, argv: list[str], **options) -> Report:
     """The doctor's report on `argv` (the framework's arguments, a config file or a launch script; see each reader).
 
     Raises DoctorError, and only DoctorError, when the configuration cannot be read (the CLI's exit code 2): each
-    reader names what it cannot read; any other exception becomes a one-line DoctorError here."""
+    reader names what it cannot read; any other exception becomes a one-line DoctorError here. What kl-adapters
+    refuses is a report with the verdict "refused" (exit 3), never an exception."""
     if framework not in FRAMEWORKS:
         raise DoctorError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     reader = importlib.import_module(f".{framework}", __name__)

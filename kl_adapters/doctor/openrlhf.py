@@ -8,7 +8,8 @@ no Ray, GPU or model. Arguments its validation needs but the KL analysis never r
 placeholder when absent (`PLACEHOLDERS`, reported in the notes), so a partial command line such as ``--algo.kl.use_loss
 --algo.kl.estimator k3`` is enough; any other argument its validation fails on is named. kl-adapters'
 ``--algo.kl.preset`` (the openrlhf_cli wrapper's flag) and KL_ADAPTERS (the script's environment) are read as the
-adapter reads them; its refusals (`kl_adapters.adapters.openrlhf.check_args`) are reported as hazards.
+adapter reads them; its refusals (`kl_adapters.adapters.openrlhf.check_args`) are the verdict "refused". Flags that
+OpenRLHF renamed (`kl_adapters.adapters.openrlhf_flags.RENAMED`) are named with their new names.
 
 KL paths (`kl_adapters.native`): the loss (``--algo.kl.use_loss``: compute_approx_kl differentiated, global token
 mean, times init_coef) or the reward (default: -init_coef * k_t per token, returns with gamma, or GAE).
@@ -29,10 +30,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from .. import native
+from .. import activation, native
 from ..activation import ENV_VAR
-from .report import (OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
-                     per_token_target, settings_or_error)
+from ..adapters.openrlhf_flags import renamed_hint
+from .report import (OFF, ON, DoctorError, Fix, KLPath, Refused, Report, adapter_native, installed_version,
+                     note_budget, per_token_target, refusals)
 from .shell import launch_arguments
 
 MODULES = ("openrlhf.cli.train_ppo_ray", "kl_adapters.adapters.openrlhf_cli")
@@ -54,17 +56,20 @@ def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True
     preset_flag, seq_target, args_in = _strip_flag(command.args)
     report = Report("openrlhf", version, " ".join(argv) or "(OpenRLHF defaults)", unresolved=command.unresolved)
     report.check_version()
-    args, printed, unknown, filled = parse(args_in, strict=strict)
-    if unknown:
-        report.add("unknown-arguments", "warning", f"OpenRLHF {version} refuses these arguments (written for another "
-                   f"release?), read past them: {' '.join(unknown)}")
-    if filled:
-        report.notes.append(f"placeholder for {', '.join(filled)} (OpenRLHF's validation wants one; the KL analysis "
-                            "does not read it)")
-    report.notes += [f"OpenRLHF: {line}" for line in printed]
-    flag = preset_flag if preset_flag is not None else command.variables.get(ENV_VAR)
-    _analyse(report, args, _with_seq_target(settings_or_error(flag, FLAG if preset_flag is not None else ENV_VAR),
-                                            seq_target))
+    with refusals(report):
+        activation.check_environment()  # a refused KL_ADAPTERS here would stop the import of OpenRLHF's trainer
+        args, printed, unknown, filled = parse(args_in, strict=strict)
+        if unknown:
+            hint = renamed_hint(unknown)
+            report.add("unknown-arguments", "warning", f"OpenRLHF {version} refuses these arguments (written for "
+                       f"another release?), read past them: {' '.join(unknown)}" + (f"; {hint}" if hint else ""))
+        if filled:
+            report.notes.append(f"placeholder for {', '.join(filled)} (OpenRLHF's validation wants one; the KL "
+                                "analysis does not read it)")
+        report.notes += [f"OpenRLHF: {line}" for line in printed]
+        flag = preset_flag if preset_flag is not None else command.variables.get(ENV_VAR)
+        _analyse(report, args, _with_seq_target(activation.parse(flag, setting=FLAG if preset_flag is not None
+                                                                 else ENV_VAR), seq_target))
     return report
 
 
@@ -86,9 +91,13 @@ def _with_seq_target(settings, seq_target: str | None):
     if seq_target is None:
         return settings
     try:
-        return with_target(settings, float(seq_target))
+        target = float(seq_target)
+    except ValueError:
+        raise Refused(f"{TARGET_FLAG} {seq_target}: not a number (the launcher refuses it)") from None
+    try:
+        return with_target(settings, target)
     except ValueError as err:
-        raise DoctorError(f"{TARGET_FLAG} {seq_target}: {err}") from None
+        raise Refused(str(err)) from None
 
 
 #: Arguments OpenRLHF's validation needs but the KL analysis never reads, with a neutral value filled in when the
@@ -138,7 +147,9 @@ def parse(argv: list[str], strict: bool = True) -> tuple[argparse.Namespace, lis
             exec(code, namespace)
     except SystemExit:
         message = err.getvalue().strip().splitlines()
-        raise DoctorError(f"OpenRLHF's parser refused the arguments: {message[-1] if message else 'exit'}") from None
+        hint = renamed_hint(argv)
+        raise DoctorError(f"OpenRLHF's parser refused the arguments: {message[-1] if message else 'exit'}"
+                          + (f"; {hint}" if hint else "")) from None
     except AssertionError as refused:
         raise DoctorError(f"OpenRLHF refuses these arguments: {refused}") from None
     except Exception as failed:  # its validation reading an argument the command line does not set
@@ -212,15 +223,15 @@ def _regimes(report: Report, args) -> None:
         report.off_policy_reason = ", ".join(reasons) + ": later optimizer steps use a stale rollout"
 
 
-def _adapter_refusal(args, settings) -> str | None:
+def _adapter_refusal(report: Report, args, settings) -> None:
+    """The adapter's refusal of these arguments (the check its launcher and actors run) as the "refused" hazard."""
     from ..adapters import openrlhf as adapter
     from ..adapters._guard import UnsupportedFrameworkError
 
     try:
         adapter.check_args(args, settings)
     except (ValueError, UnsupportedFrameworkError) as err:
-        return str(err)
-    return None
+        report.add("refused", "refused", f"kl-adapters refuses this configuration before Ray starts: {err}")
 
 
 def _analyse(report: Report, args, settings) -> None:
@@ -228,10 +239,7 @@ def _analyse(report: Report, args, settings) -> None:
     _regimes(report, args)
     coef = float(kl.init_coef)
     if settings is not None:
-        refusal = _adapter_refusal(args, settings)
-        if refusal:
-            severity = "no-op" if "no-op" in refusal else "bias"
-            report.add("refused", severity, f"kl-adapters refuses this configuration before Ray starts: {refusal}")
+        _adapter_refusal(report, args, settings)
     if kl.target is not None:
         report.add("adaptive-controller", "warning", f"--algo.kl.target {kl.target:g}: the adaptive controller "
                    "compares the target with a per-token mean KL, not KL_seq, so beta drifts with response length; "
@@ -240,7 +248,7 @@ def _analyse(report: Report, args, settings) -> None:
         _loss_path(report, args, coef, settings)
     elif coef > 0:
         _reward_path(report, args, coef, settings)
-    if report.verdict in ("biased", "no-op"):
+    if report.verdict in ("biased", "no-op", "refused"):
         report.fix = _fix(report, args)
 
 

@@ -1,24 +1,31 @@
 """The doctor's report: KL paths, hazards, verdict, fix, audit numbers; the table for people and the JSON document.
 
-Verdict (and exit code of ``kl-adapters doctor``):
+Verdict (and exit code of ``kl-adapters doctor``, `EXIT_CODES`; docs/doctor.md):
+    refused    kl-adapters refuses the configuration: its adapter's own check, or a kl-adapters value it
+               cannot accept (a run stops there, before training)                                      exit 3
     no-op      a KL is switched on but contributes nothing (zero coefficient, a flag whose path is off)   exit 1
     biased     some KL path's expected gradient is not beta * grad KL_seq in a regime the configuration
                implies (its preset is not unbiased there, or no preset has it), or a hazard biases it  exit 1
     unbiased   every KL path is unbiased in every implied regime and no hazard biases it              exit 0
     no-kl      the configuration has no KL term at all (nothing to be biased)                          exit 0
-A configuration that cannot be read raises `DoctorError` (exit 2).
+A configuration that cannot be read (framework not installed, parser error, a KL setting computed at run time) raises
+`DoctorError` (exit `UNREADABLE`, 2). What kl-adapters refuses is a "refused" hazard: the adapter's own check of a
+configuration the reader goes on analysing (its paths, other hazards and fix still shown), or a value that cannot be
+analysed at all (a kl-adapters setting it cannot parse), raised as `activation.SettingError` or `Refused` inside
+`refusals(report)`, which ends the analysis there.
 
 Bias and cosine come from the exact audit (`kl_adapters.audit.audit`, `AUDIT_PROBLEM`): the preset's exact expected
 gradient against grad KL_seq on a random tabular problem, on-policy and, when the configuration reuses a rollout for
 several optimizer steps, off-policy. They measure the estimator, not the user's model: how far its gradient points
 from the sequence-KL gradient on a small problem where that is computable exactly.
 
-JSON document (``--json``; `SCHEMA` is its JSON Schema, tests/core/test_doctor.py::test_json_schema):
-    {"schema": 1, "framework", "version", "tested": bool, "source", "verdict", "exit_code",
+JSON document (``--json``; `SCHEMA` is its JSON Schema, tests/core/test_doctor.py::test_json_schema; schema 2 added
+the verdict and severity "refused", exit code 3):
+    {"schema": 2, "framework", "version", "tested": bool, "source", "verdict", "exit_code",
      "regimes": ["on-policy"(, "off-policy")], "off_policy_reason": str|null,
      "paths": [{"path": "loss"|"reward", "setting", "beta": float|null, "preset": str|null, "why", "source",
                 "unbiased": bool, "audit": {"on-policy": {"relative_bias", "cosine"}, ...}|null}],
-     "hazards": [{"code", "severity": "no-op"|"bias"|"warning", "message"}],
+     "hazards": [{"code", "severity": "refused"|"no-op"|"bias"|"warning", "message"}],
      "fix": {"preset", "lines": [str], "beta"}|null, "audit_problem", "unresolved": [str], "notes": [str]}
 """
 
@@ -27,22 +34,33 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+from ..activation import SettingError
 from ..adapters.versions import TESTED, supported_range
 from ..native import NativeKL
-from ..presets import get_preset
+from ..presets import SAMPLED_TOKEN_PRESETS, get_preset
 
 ON, OFF = "on-policy", "off-policy"
 AUDIT_ARGS = (4, 4, 0)
 AUDIT_PROBLEM = ("kl_adapters.audit.audit(4, 4, 0): vocabulary 4 incl. EOS, horizon 4 (121 sequences), seed 0, "
                  "pi_ref logits ~ N(0,1), pi = pi_ref + N(0,1), off-policy sampler mu = pi + N(0, 0.5^2), beta = 1")
-SEVERITIES = ("no-op", "bias", "warning")
-EXIT_CODES = {"unbiased": 0, "no-kl": 0, "biased": 1, "no-op": 1}
+SEVERITIES = ("refused", "no-op", "bias", "warning")
+#: verdict -> exit code of `kl-adapters doctor` (a CI lint: 0 passes; 1 biased or a silent no-op; 3 refused)
+EXIT_CODES = {"unbiased": 0, "no-kl": 0, "biased": 1, "no-op": 1, "refused": 3}
+#: exit code when the configuration cannot be read (`DoctorError`)
+UNREADABLE = 2
 
 
 class DoctorError(Exception):
     """The configuration cannot be read (exit code 2): missing framework, unparsable file, unresolved KL setting."""
+
+
+class Refused(Exception):
+    """kl-adapters refuses the configuration (its adapter's check): the verdict "refused" (`refusals`)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +121,8 @@ class Report:
     @property
     def verdict(self) -> str:
         severities = {h.severity for h in self.hazards}
+        if "refused" in severities:
+            return "refused"
         if "no-op" in severities:
             return "no-op"
         if not self.paths:
@@ -124,12 +144,12 @@ class Report:
 
     def as_dict(self) -> dict:
         return {
-            "schema": 1, "framework": self.framework, "version": self.version, "tested": self.tested,
+            "schema": 2, "framework": self.framework, "version": self.version, "tested": self.tested,
             "source": self.source, "verdict": self.verdict, "exit_code": self.exit_code,
             "regimes": list(self.regimes), "off_policy_reason": self.off_policy_reason,
             "paths": [{"path": p.path, "setting": p.setting, "beta": p.beta, "preset": p.native.preset,
                        "why": p.native.reason, "source": p.native.source, "unbiased": self.unbiased(p),
-                       "audit": None if p.native.preset is None else
+                       "audit": None if p.native.preset not in SAMPLED_TOKEN_PRESETS else
                        {r: audit_numbers(p.native.preset)[r] for r in self.regimes}} for p in self.paths],
             "hazards": [asdict(h) for h in self.hazards],
             "fix": None if self.fix is None else {"preset": self.fix.preset, "lines": list(self.fix.lines),
@@ -139,18 +159,34 @@ class Report:
 
 
 def installed_version(distribution: str) -> str:
-    """The installed release of a framework; DoctorError (exit 2) when it is not installed in this Python."""
+    """The installed release of a framework; DoctorError (exit 2) when it is not installed in this Python, naming
+    the install command (the doctor reads a configuration with the framework's own code)."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise DoctorError(f"{distribution} is not installed in this Python: run the doctor where it is installed "
-                          f"(pip install {distribution}, or .venvs/{distribution} in this repository)") from None
+        raise DoctorError(
+            f"{distribution} is not installed in this Python ({sys.executable}), and the doctor reads a {distribution} "
+            f"configuration with {distribution}'s own code: run it in the environment you train with, or install "
+            f"{distribution} next to kl-adapters with pip install \".[{distribution}]\" from a kl-adapters clone "
+            f"({supported_range(distribution)}; in the clone, bash scripts/envs.sh {distribution} builds "
+            f".venvs/{distribution})") from None
+
+
+@contextmanager
+def refusals(report: Report) -> Iterator[None]:
+    """Run a reader's analysis; a refusal raised inside (`Refused`, or `activation.SettingError` from a kl-adapters
+    value) ends it and becomes the report's "refused" hazard (verdict "refused", exit 3)."""
+    try:
+        yield
+    except (Refused, SettingError) as err:
+        report.add("refused", "refused", str(err))
 
 
 @functools.lru_cache(maxsize=None)
 def audit_numbers(preset: str) -> dict[str, dict[str, float | None]]:
     """{regime: {"relative_bias", "cosine"}} of `preset` in the exact audit `AUDIT_PROBLEM` (cached per process;
-    cosine None where the expected gradient is zero)."""
+    cosine None where the expected gradient is zero). For the sampled-token presets: `full` reads full next-token
+    distributions, which the audit does not enumerate (its gradient is exact: tests/core/test_full_vocab.py)."""
     from ..audit import audit
 
     rows = audit(*AUDIT_ARGS, presets=(preset,), is_clip=None)
@@ -158,8 +194,8 @@ def audit_numbers(preset: str) -> dict[str, dict[str, float | None]]:
                        "cosine": None if math.isnan(r.cosine) else round(r.cosine, 4)} for r in rows}
 
 
-_COLOURS = {"unbiased": "32", "no-kl": "32", "biased": "31", "no-op": "31", "no-op:": "31", "bias:": "31",
-            "warning:": "33"}
+_COLOURS = {"unbiased": "32", "no-kl": "32", "biased": "31", "no-op": "31", "refused": "31", "refused:": "31",
+            "no-op:": "31", "bias:": "31", "warning:": "33"}
 
 
 def format_report(report: Report, *, colour: bool = False) -> str:
@@ -199,6 +235,9 @@ def format_report(report: Report, *, colour: bool = False) -> str:
         lines.append(f"  beta after the fix: {report.fix.beta}")
     if report.paths:
         lines.append(f"bias = |E[grad] - grad KL_seq| / |grad KL_seq| in the exact audit {AUDIT_PROBLEM}")
+    if any(p.native.preset == "full" for p in report.paths):
+        lines.append("full: no audit row (the audit enumerates sampled-token presets); its expected gradient is "
+                     "grad KL_seq exactly (tests/core/test_full_vocab.py)")
     return "\n".join(lines)
 
 
@@ -214,13 +253,13 @@ SCHEMA = {
                  "off_policy_reason", "paths", "hazards", "fix", "audit_problem", "unresolved", "notes"],
     "additionalProperties": False,
     "properties": {
-        "schema": {"const": 1},
+        "schema": {"const": 2},
         "framework": {"enum": sorted(TESTED)},
         "version": {"type": "string"},
         "tested": {"type": "boolean"},
         "source": {"type": "string"},
         "verdict": {"enum": sorted(EXIT_CODES)},
-        "exit_code": {"enum": [0, 1]},
+        "exit_code": {"enum": sorted(set(EXIT_CODES.values()))},
         "regimes": {"type": "array", "items": {"enum": [ON, OFF]}, "minItems": 1},
         "off_policy_reason": {"type": ["string", "null"]},
         "paths": {"type": "array", "items": {
@@ -272,13 +311,3 @@ def per_token_target(target: float, max_length: int | None, setting: str) -> str
     bound = f"; at most {target * max_length:g} nats at the maximum length {max_length}" if max_length else ""
     return (f"the same per-sequence budget is about {target:g} x the mean response length{bound}: kl-adapters' "
             f"{setting} targets KL_seq itself")
-
-
-def settings_or_error(value: str | None, where: str):
-    """activation.parse(value), with an unknown preset as an unreadable configuration (exit 2)."""
-    from ..activation import parse
-
-    try:
-        return parse(value)
-    except ValueError as err:
-        raise DoctorError(f"{where}: {err}") from None

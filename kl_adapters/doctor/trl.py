@@ -3,8 +3,9 @@ parser (`trl.scripts.<trainer>.make_parser`, TrlParser: command-line arguments a
 
 Input: the arguments of ``trl grpo|rloo`` (a YAML file as first argument means ``--config``), or an example script
 (``.py``): the arguments of the usage command in its docstring plus the literal keyword arguments of its
-``GRPOConfig(...)`` / ``RLOOConfig(...)`` call. kl-adapters' own fields (``--kl_preset``, ``--kl_is_clip``,
-``--kl_discount``: see `kl_adapters.adapters.trl.KLGRPOConfig`) are read too. ``--use_cpu`` is added when absent:
+``GRPOConfig(...)`` / ``RLOOConfig(...)`` call. GRPO arguments are parsed into `kl_adapters.adapters.trl.KLGRPOConfig`,
+so kl-adapters' own fields (``--kl_preset``, ``--kl_is_clip``, ``--kl_target``, ``--kl_discount``) are read and
+checked by KLGRPOConfig itself: what it refuses is the verdict "refused". ``--use_cpu`` is added when absent:
 TrainingArguments refuses
 bf16 without a GPU, and the device does not touch the KL. ``--num_processes N`` (accelerate's flag, also taken from
 the usage command) is the world size GRPOConfig validates its batch sizes against (default 1); it does not touch the
@@ -23,12 +24,11 @@ import io
 import shlex
 import warnings
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
-from .. import native
-from .report import (AUDIT_ARGS, OFF, DoctorError, Fix, KLPath, Report, adapter_native, installed_version,
-                     note_budget, settings_or_error)
+from .. import activation, native
+from .report import (AUDIT_ARGS, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
+                     refusals)
 from .shell import logical_lines
 
 TRAINERS = ("grpo", "rloo")
@@ -52,13 +52,15 @@ def read(argv: list[str], trainer: str | None = None) -> Report:
     trainer = "grpo" if trainer is None else trainer
     if trainer not in TRAINERS:
         raise DoctorError(f"--trainer must be one of {', '.join(TRAINERS)}, got {trainer!r}")
-    config, kl_flags = _parse(trainer, *_num_processes(argv))
     report = Report("trl", version, source)
     report.check_version()
-    if trainer == "grpo":
-        _grpo(report, config, kl_flags)
-    else:
-        _rloo(report, config, kl_flags)
+    with refusals(report):
+        activation.check_environment()  # a refused KL_ADAPTERS here would stop the import of TRL's trainers
+        config, kl_flags = _parse(trainer, *_num_processes(argv))
+        if trainer == "grpo":
+            _grpo(report, config)
+        else:
+            _rloo(report, config, kl_flags)
     return report
 
 
@@ -127,15 +129,24 @@ def _world_size(config_class: type, processes: int):
 
 
 def _parse(trainer: str, argv: list[str], processes: int):
+    """(the trainer's config, the kl-adapters flags given to RLOO) parsed by TRL's TrlParser; GRPO's config class is
+    KLGRPOConfig, whose own refusals raise SettingError (the verdict "refused")."""
+    from trl import TrlParser
+
+    from ..adapters.trl import KLGRPOConfig
+
     script = importlib.import_module(f"trl.scripts.{trainer}")
-    parser = script.make_parser()
+    types = tuple(KLGRPOConfig if t.__name__ == "GRPOConfig" else t for t in script.make_parser().dataclass_types)
+    parser = TrlParser(types)
     args = list(argv) + ([] if "--use_cpu" in argv else ["--use_cpu", "true"])
-    config_class = next(t for t in parser.dataclass_types if t.__name__ == _CONFIG_CLASS[trainer])
+    config_class = next(t for t in types if t.__name__ in (_CONFIG_CLASS[trainer], "KLGRPOConfig"))
     err = io.StringIO()
     try:  # argparse's usage text and transformers' deprecation warnings are not for the doctor's reader
         with _world_size(config_class, processes), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             *parsed, remaining = parser.parse_args_and_config(args, return_remaining_strings=True)
+    except activation.SettingError:
+        raise
     except SystemExit:
         errors = [line.split("error: ", 1)[1] for line in err.getvalue().splitlines() if "error: " in line]
         raise DoctorError(f"TRL's parser refused the arguments: {errors[-1] if errors else 'exit'}") from None
@@ -144,7 +155,7 @@ def _parse(trainer: str, argv: list[str], processes: int):
     except (ValueError, TypeError) as refused:
         raise DoctorError(f"TRL refuses these arguments ({processes} process(es); --num_processes N sets it): "
                           f"{refused}") from None
-    config = next(p for p in parsed if type(p).__name__ == _CONFIG_CLASS[trainer])
+    config = next(p for p in parsed if isinstance(p, config_class))
     kl_flags: dict[str, str] = {}
     rest = list(remaining)
     while rest:
@@ -165,25 +176,22 @@ def _off_policy(report: Report, config) -> None:
                                     f"{config.gradient_accumulation_steps}: later optimizer steps reuse a rollout")
 
 
-def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
-    settings = settings_or_error(kl_flags.get("kl_preset"), "--kl_preset")
+def _grpo(report: Report, config) -> None:
+    from ..adapters.trl import field_settings
+
+    settings = field_settings(config.kl_preset, config.kl_is_clip, config.kl_target, config.kl_discount)
     _off_policy(report, config)
-    _discount(report, None if settings is None else settings.preset, kl_flags)
-    if config.beta == 0.0:
-        if settings is not None:
-            report.add("zero-coefficient", "no-op", f"kl_preset={settings} with beta=0.0: TRL builds no reference "
-                       "model, so the preset would do nothing (KLGRPOConfig refuses it); set beta > 0")
-            report.fix = Fix(settings.preset, ("--beta 0.04  (any beta > 0)",), BETA_AFTER_FIX)
+    _discount(report, config.kl_discount)
+    if config.beta == 0.0:  # KLGRPOConfig refused a preset with beta 0 (and gave a budget its starting beta)
         return
     setting = (f"beta={config.beta:g}, loss_type={config.loss_type}, use_bias_correction_kl="
                f"{config.use_bias_correction_kl}, importance_sampling_level={config.importance_sampling_level}")
     if settings is not None:
-        settings = _budget(report, settings, kl_flags)
         report.paths.append(KLPath("loss", f"kl_preset={settings}, beta={config.beta:g}", config.beta,
                                    adapter_native(settings.preset, f"kl_preset={settings}", "trl")))
         note_budget(report, settings, f"beta={config.beta:g}", "optimizer step", "--kl_target")
         if config.use_liger_kernel:
-            report.add("refused", "bias", "kl-adapters refuses use_liger_kernel=True (untested) at the first step")
+            report.add("refused", "refused", "kl-adapters refuses use_liger_kernel=True (untested) at the first step")
         return
     kl = native.trl_grpo_loss(config.use_bias_correction_kl, config.importance_sampling_level)
     report.paths.append(KLPath("loss", setting, config.beta, kl))
@@ -203,58 +211,19 @@ def _grpo(report: Report, config, kl_flags: dict[str, str]) -> None:
         "KL_ADAPTERS=sequence  (environment, e.g. with `trl grpo`)"), BETA_AFTER_FIX)
 
 
-def _budget(report: Report, settings, kl_flags: dict[str, str]):
-    """The settings with --kl_target as their budget (KLGRPOConfig's field); a budget KLGRPOConfig refuses (bad target,
-    a preset not unbiased for the sequence KL in this run's regimes, is_clip of --kl_is_clip or the preset value) is
-    reported as refused."""
-    from ..budget import check_budget_preset, check_target
-
-    if "kl_target" not in kl_flags:
-        return settings
-    value = kl_flags["kl_target"]
-    try:
-        target = check_target(float(value) if _is_number(value) else value)
-        is_clip = float(kl_flags["kl_is_clip"]) if _is_number(kl_flags.get("kl_is_clip", "")) else settings.is_clip
-        check_budget_preset(settings.preset, is_clip, off_policy=OFF in report.regimes)
-    except ValueError as err:
-        report.add("refused", "bias", f"KLGRPOConfig refuses this KL budget: {err}")
-        return settings
-    return replace(settings, kl_target=target)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _discount(report: Report, preset: str | None, kl_flags: dict[str, str]) -> None:
-    """--kl_discount gamma (KLGRPOConfig's bias-variance dial) of `preset` (None: no kl_preset): refused as
-    KLGRPOConfig refuses it, else, for gamma < 1, a bias hazard with the exact relative bias
-    |E[g_gamma] - grad KL_seq| / |grad KL_seq| of the discounted future-KL return in `AUDIT_PROBLEM` (horizon 4; it
-    grows with the completion length)."""
-    from .._validate import check_discount
+def _discount(report: Report, gamma: float | None) -> None:
+    """--kl_discount gamma < 1 (KLGRPOConfig's bias-variance dial, which it has checked): a bias hazard with the exact
+    relative bias |E[g_gamma] - grad KL_seq| / |grad KL_seq| of the discounted future-KL return in `AUDIT_PROBLEM`
+    (horizon 4; it grows with the completion length)."""
     from ..audit import audit
-    from ..presets import get_preset
 
-    if "kl_discount" not in kl_flags:
+    if gamma is None or gamma == 1.0:
         return
-    try:
-        if preset is None:
-            raise ValueError("kl_discount is set but kl_preset is not: it would be a silent no-op")
-        gamma = float(kl_flags["kl_discount"])
-        check_discount(gamma, get_preset(preset))
-    except ValueError as err:
-        report.add("refused", "bias", f"KLGRPOConfig refuses --kl_discount {kl_flags['kl_discount']}: {err}")
-        return
-    if gamma < 1.0:
-        rows = audit(*AUDIT_ARGS, presets=("sequence",), is_clip=None, discount=gamma)
-        bias = max(r.relative_bias for r in rows if r.discount == gamma and r.regime in report.regimes)
-        report.add("discounted", "bias", f"--kl_discount {gamma:g}: the future-KL return is discounted (lower "
-                   f"variance, biased): exact relative bias {bias:.2%} in the audit problem (horizon 4), larger at "
-                   "long completions (docs/long_horizon.md); 1 or unset is exact")
+    rows = audit(*AUDIT_ARGS, presets=("sequence",), is_clip=None, discount=gamma)
+    bias = max(r.relative_bias for r in rows if r.discount == gamma and r.regime in report.regimes)
+    report.add("discounted", "bias", f"--kl_discount {gamma:g}: the future-KL return is discounted (lower "
+               f"variance, biased): exact relative bias {bias:.2%} in the audit problem (horizon 4), larger at "
+               "long completions (docs/long_horizon.md); 1 or unset is exact")
 
 
 def _rloo(report: Report, config, kl_flags: dict[str, str]) -> None:

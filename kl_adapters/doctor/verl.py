@@ -6,7 +6,7 @@ KL paths (`kl_adapters.native`): the actor loss (``actor.use_kl_loss``: kl_loss_
 ref, kl_loss_type))) and the reward (``algorithm.use_kl_in_reward``: scores - beta * kl_penalty(old, ref,
 kl_penalty), then the advantage estimator). ``kl_adapters:<preset>`` names and KL_ADAPTERS (the script's environment
 or ``+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS``) select the adapter's presets; its own refusals
-(`kl_adapters.adapters.verl.check_config`) are reported as hazards. verl's full ``validate_config`` is not run (it
+(`kl_adapters.adapters.verl.check_config`) are the verdict "refused". verl's full ``validate_config`` is not run (it
 checks GPU counts and batch divisibility, which do not touch the KL). Pinned by tests/verl/test_doctor.py.
 """
 
@@ -16,10 +16,10 @@ import os
 import re
 from contextlib import contextmanager
 
-from .. import native
+from .. import activation, native
 from ..activation import ENV_VAR
 from .report import (OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
-                     per_token_target, settings_or_error)
+                     per_token_target, refusals)
 from .shell import UNRESOLVED, launch_arguments
 
 MODULES = ("verl.trainer.main_ppo",)
@@ -41,11 +41,13 @@ def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True
     command = launch_arguments(argv, MODULES, os.environ if env is None else env)
     report = Report("verl", version, " ".join(argv) or "(verl defaults)", unresolved=command.unresolved)
     report.check_version()
-    config, dropped = compose(command.args, strict=strict)
-    if dropped:
-        report.add("unknown-arguments", "warning", f"verl {version}'s config has no such keys (written for another "
-                   f"release?), read without them: {' '.join(dropped)}")
-    _analyse(report, config, command.variables.get(ENV_VAR))
+    with refusals(report):
+        activation.check_environment()  # a refused KL_ADAPTERS here would stop the import of verl's trainer
+        config, dropped = compose(command.args, strict=strict)
+        if dropped:
+            report.add("unknown-arguments", "warning", f"verl {version}'s config has no such keys (written for "
+                       f"another release?), read without them: {' '.join(dropped)}")
+        _analyse(report, config, command.variables.get(ENV_VAR))
     return report
 
 
@@ -175,12 +177,10 @@ def _analyse(report: Report, config, script_env: str | None) -> None:
     use_loss, use_reward = _flag(config, f"{_ACTOR}.use_kl_loss"), _flag(config, f"{_ALGO}.use_kl_in_reward")
     runtime_env = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}", default=None)
     env_value = script_env or runtime_env
-    default = settings_or_error(env_value, ENV_VAR)
+    default = activation.parse(env_value, setting=ENV_VAR if script_env else f"ray_kwargs.ray_init.runtime_env.env_vars."
+                                                                           f"{ENV_VAR}")
     _regimes(report, config)
-    refusal = _adapter_refusal(config, env_value)
-    if refusal:
-        severity = "no-op" if "no effect" in refusal else "bias"
-        report.add("refused", severity, f"kl-adapters refuses this configuration before Ray starts: {refusal}")
+    _adapter_refusal(report, config, env_value)
     loss_type, agg = str(_get(config, f"{_ACTOR}.kl_loss_type")), str(_get(config, f"{_ACTOR}.loss_agg_mode"))
     if use_loss:
         _loss_path(report, config, loss_type, agg, default)
@@ -190,7 +190,7 @@ def _analyse(report: Report, config, script_env: str | None) -> None:
         report.add("double-kl", "bias", "KL in the reward (algorithm.use_kl_in_reward) and in the loss "
                    "(actor.use_kl_loss) at once: two betas in different units regularize twice (unbiased only for "
                    "the same value-unbiased estimator at one common beta, which verl's units never give)")
-    if report.verdict in ("biased", "no-op"):
+    if report.verdict in ("biased", "no-op", "refused"):
         report.fix = _fix(report, config, use_loss, use_reward, agg)
 
 
@@ -222,16 +222,18 @@ def _environment(value: str | None):
             os.environ[ENV_VAR] = saved
 
 
-def _adapter_refusal(config, env_value: str | None) -> str | None:
-    """The adapter's own refusal of this configuration (the same check its patched validate_config runs)."""
+def _adapter_refusal(report: Report, config, env_value: str | None) -> None:
+    """The adapter's refusal of this configuration (the same check its patched validate_config runs) as the "refused"
+    hazard; a kl-adapters value it cannot parse ends the analysis (`refusals`)."""
     from ..adapters import verl as adapter
 
     with _environment(env_value):
         try:
             adapter.check_config(config)
+        except activation.SettingError:
+            raise
         except ValueError as err:
-            return str(err)
-    return None
+            report.add("refused", "refused", f"kl-adapters refuses this configuration before Ray starts: {err}")
 
 
 def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> None:
@@ -239,10 +241,7 @@ def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> Non
 
     coef = _number(config, f"{_ACTOR}.kl_loss_coef")
     setting = f"kl_loss_type={loss_type}, kl_loss_coef={coef}, loss_agg_mode={agg}"
-    try:
-        settings = flag_settings(loss_type, default)
-    except ValueError as err:
-        raise DoctorError(f"{_ACTOR}.kl_loss_type: {err}") from None
+    settings = flag_settings(loss_type, default)
     if settings is not None:
         report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{loss_type}", "verl")))
         note_budget(report, settings, f"kl_loss_coef={coef}", "rollout", f"{_ACTOR}.kl_loss_type=kl_adapters:"
@@ -265,16 +264,13 @@ def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> Non
 
 
 def _reward_path(report: Report, config, agg: str, default) -> None:
-    from ..adapters.verl import flag_settings
+    from ..adapters.verl import REWARD_KEY, flag_settings
 
     penalty = str(_get(config, f"{_ALGO}.kl_penalty"))
     estimator = str(_get(config, f"{_ALGO}.adv_estimator"))
     ctrl, coef = str(_get(config, f"{_ALGO}.kl_ctrl.type")), _number(config, f"{_ALGO}.kl_ctrl.kl_coef")
     setting = f"kl_penalty={penalty}, kl_coef={coef} ({ctrl}), adv_estimator={estimator}"
-    try:
-        settings = flag_settings(penalty, default)
-    except ValueError as err:
-        raise DoctorError(f"{_ALGO}.kl_penalty: {err}") from None
+    settings = flag_settings(penalty, default, REWARD_KEY)
     if ctrl == "adaptive":
         target, length = _number(config, f"{_ALGO}.kl_ctrl.target_kl"), _number(config, "data.max_response_length")
         report.add("adaptive-controller", "warning", "kl_ctrl.type=adaptive compares target_kl with the batch mean "

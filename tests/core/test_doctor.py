@@ -8,9 +8,10 @@ import importlib.util
 import pytest
 
 from kl_adapters import native
+from kl_adapters.activation import parse
 from kl_adapters.cli import main
-from kl_adapters.doctor.report import (EXIT_CODES, OFF, ON, SCHEMA, AUDIT_ARGS, Fix, KLPath, Report, audit_numbers,
-                                       format_report)
+from kl_adapters.doctor.report import (EXIT_CODES, OFF, ON, SCHEMA, AUDIT_ARGS, UNREADABLE, Fix, KLPath, Refused,
+                                       Report, audit_numbers, format_report, refusals)
 from kl_adapters.doctor.shell import UNRESOLVED, find_commands
 from kl_adapters.presets import PRESETS
 
@@ -112,9 +113,24 @@ def _report(*paths: tuple[str, str | None], regimes=(ON,), hazards=()) -> Report
     (_report(("loss", "sequence"), hazards=("warning",)), "unbiased"),
     (_report(("loss", "k3-loss"), hazards=("no-op",)), "no-op"),
     (_report(hazards=("no-op",)), "no-op"),
+    (_report(("loss", "k3-loss"), hazards=("no-op", "refused")), "refused"),
+    (_report(hazards=("refused",)), "refused"),
 ])
 def test_verdict_and_exit_code(report, verdict):
-    assert report.verdict == verdict and report.exit_code == EXIT_CODES[verdict] == (verdict in ("biased", "no-op"))
+    """The documented exit codes (docs/doctor.md): 0 unbiased / no KL, 1 biased / no-op, 3 refused (2: unreadable)."""
+    assert report.verdict == verdict and report.exit_code == EXIT_CODES[verdict]
+    assert report.exit_code == {"unbiased": 0, "no-kl": 0, "biased": 1, "no-op": 1, "refused": 3}[verdict] != UNREADABLE
+
+
+def test_a_refusal_ends_the_analysis_as_the_verdict_refused():
+    report = Report("verl", "0.9.1", "constructed")
+    with refusals(report):
+        raise Refused("kl-adapters refuses it: why; the fix")
+    with refusals(report):
+        parse("sequnce", setting="kl_preset")
+    assert report.verdict == "refused" and report.exit_code == 3
+    assert [h.message for h in report.hazards] == ["kl-adapters refuses it: why; the fix", "kl_preset='sequnce': "
+                                                   "unknown KL preset 'sequnce'; valid presets: " + ", ".join(PRESETS)]
 
 
 def test_untested_version_is_a_warning():
@@ -169,6 +185,7 @@ def test_json_schema():
     report.unresolved.append("$HOME")
     _check(report.as_dict(), SCHEMA)
     _check(_report().as_dict(), SCHEMA)
+    _check(_report(("loss", "full"), hazards=("refused",)).as_dict(), SCHEMA)  # full: no audit row (audit null)
     with pytest.raises(AssertionError):
         _check({**report.as_dict(), "verdict": "fine"}, SCHEMA)
 
@@ -184,8 +201,9 @@ def test_table_has_colours_only_when_asked():
 def test_missing_framework_exits_2(framework, capsys):
     if importlib.util.find_spec(framework) is not None:
         pytest.skip(f"{framework} is installed in this environment")
-    assert main(["doctor", framework, "--json"]) == 2
-    assert f"{framework} is not installed in this Python" in capsys.readouterr().err
+    assert main(["doctor", framework, "--json"]) == UNREADABLE == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"{framework} is not installed in this Python" in line and f'pip install ".[{framework}]"' in line
 
 
 def test_shell_arithmetic_word_splitting_and_pipes():

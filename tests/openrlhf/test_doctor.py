@@ -90,14 +90,15 @@ HAZARDS = [
     (BASE + ["--actor.loss_agg_mode", "seq-mean-token-mean"], "length-normalized", "bias"),
     (BASE + ["--actor.policy_loss_type", "gspo"], "length-normalized", "bias"),
     (BASE + ["--algo.kl.estimator", "k2"], "unsupported-estimator", "bias"),
-    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.unbiased_gradient"], "refused", "bias"),
-    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.init_coef", "0"], "refused", "no-op"),
-    (BASE + ["--algo.kl.preset", "sequence"], "refused", "bias"),
-    (BASE + ["--algo.kl.preset", "reward", "--algo.kl.estimator", "k3"], "refused", "bias"),
+    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.unbiased_gradient"], "refused", "refused"),
+    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.init_coef", "0"], "refused", "refused"),
+    (BASE + ["--algo.kl.preset", "sequence"], "refused", "refused"),
+    (BASE + ["--algo.kl.preset", "reward", "--algo.kl.estimator", "k3"], "refused", "refused"),
     (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.seq_target", "0.5", "--algo.kl.target", "0.01"], "refused",
-     "bias"),
+     "refused"),
     (LOSS + ["--algo.kl.preset", "reward", "--algo.kl.seq_target", "0.5", "--train.max_epochs", "2"], "refused",
-     "bias"),
+     "refused"),
+    (LOSS + ["--algo.kl.preset", "full"], "refused", "refused"),
 ]
 
 
@@ -105,7 +106,7 @@ HAZARDS = [
 def test_hazard(argv, code, severity):
     report = doctor(*argv)
     assert codes(report).get(code) == severity, report.hazards
-    assert report.exit_code == 1 or severity == "warning"
+    assert report.exit_code == {"refused": 3, "warning": report.exit_code}.get(severity, 1)
 
 
 #: a flag of another release that the installed one refuses: 0.11.0's is_correction_enable (gone in 0.11.2), or for
@@ -207,6 +208,7 @@ def test_vendored_example_script():
     (BASE, 0), (LOSS, 1), (LOSS + ["--algo.kl.preset", "sequence"], 0), (LOSS + ["--algo.kl.init_coef", "0"], 1),
     (BASE + ["--no_such_flag"], 2), (["--actor.model_name_or_path", "m", "--rollout.n_samples_per_prompt", "1",
                                       "--algo.advantage.estimator", "rloo"], 2),
+    (LOSS + ["--algo.kl.preset", "full"], 3), (LOSS + ["--algo.kl.preset", "nope"], 3),
 ])
 def test_exit_codes_and_json(argv, code, capsys):
     assert main(["doctor", "openrlhf", "--json", *argv]) == code
@@ -268,10 +270,9 @@ def test_an_unset_argument_the_validation_reads_is_named(monkeypatch):
     (["--algo.kl.bogus", "1"], "unrecognized arguments: --algo.kl.bogus 1"),
     (["--algo.advantage.estimator", "group_norm"], "OpenRLHF refuses these arguments: group_norm requires "
                                                     "n_samples_per_prompt > 1"),
-    (["--algo.kl.preset", "nope"], "unknown KL preset 'nope'"),
-    (["--algo.kl.preset", "sequence", "--algo.kl.seq_target", "-1"], "kl_target must be a finite number > 0"),
-    (["--algo.kl.seq_target", "0.5"], "--algo.kl.seq_target 0.5 needs --algo.kl.preset"),
-    (["--algo.kl.preset", "sequence:kl_target=0.2", "--algo.kl.seq_target", "0.5"], "two KL budgets"),
+    (["--use_kl_loss", "--init_kl_coef", "0.01"], "unrecognized arguments: --use_kl_loss --init_kl_coef 0.01; "
+                                                  "--use_kl_loss was renamed --algo.kl.use_loss, --init_kl_coef was "
+                                                  "renamed --algo.kl.init_coef in OpenRLHF 0.10.2"),
     (["no_such_script.sh"], "cannot read no_such_script.sh"),
 ])
 def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):
@@ -281,6 +282,20 @@ def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):
     (line,) = captured.err.splitlines()
     assert line.startswith("kl-adapters doctor: cannot read this openrlhf configuration: ") and message in line
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (LOSS + ["--algo.kl.preset", "nope"], "--algo.kl.preset='nope': unknown KL preset 'nope'"),
+    (LOSS + ["--algo.kl.preset", "sequence", "--algo.kl.seq_target", "-1"], "kl_target must be a finite number > 0"),
+    (LOSS + ["--algo.kl.seq_target", "0.5"], "--algo.kl.seq_target 0.5 needs --algo.kl.preset"),
+    (LOSS + ["--algo.kl.preset", "sequence:kl_target=0.2", "--algo.kl.seq_target", "0.5"], "two KL budgets"),
+    (LOSS + ["--algo.kl.preset", "full"], "needs the full next-token distributions"),
+])
+def test_refused_settings_get_a_verdict_not_a_traceback(argv, message, capsys):
+    """What kl-adapters refuses (a value, or a setting OpenRLHF cannot run): the verdict REFUSED, exit 3, on stdout."""
+    assert main(["doctor", "openrlhf", *argv]) == 3
+    captured = capsys.readouterr()
+    assert "verdict: REFUSED (exit 3)" in captured.out and message in captured.out and captured.err == ""
 
 
 def test_project_example_script():

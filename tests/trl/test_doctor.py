@@ -42,7 +42,7 @@ def test_grpo_kl_loss_and_adapter_agree(bias_correction, preset):
 
 
 @pytest.mark.parametrize("argv, trainer, code, severity", [
-    (["--kl_preset", "sequence"], "grpo", "zero-coefficient", "no-op"),
+    (["--kl_preset", "sequence"], "grpo", "refused", "refused"),
     (["--beta", "0.04", "--loss_type", "grpo"], "grpo", "length-normalized", "bias"),
     (["--beta", "0.04", "--loss_type", "sapo"], "grpo", "length-normalized", "bias"),
     (["--beta", "0.04", "--importance_sampling_level", "sequence"], "grpo", "sequence-is", "bias"),
@@ -54,13 +54,14 @@ def test_grpo_kl_loss_and_adapter_agree(bias_correction, preset):
 def test_hazard(argv, trainer, code, severity):
     report = doctor(*argv, trainer=trainer)
     assert codes(report).get(code) == severity, report.hazards
-    assert report.exit_code == 1 or severity == "warning"
+    assert report.exit_code == {"refused": 3, "warning": report.exit_code}.get(severity, 1)
 
 
 def test_kl_preset_with_beta_zero_is_what_klgrpoconfig_refuses():
     with pytest.raises(ValueError, match="silent no-op"):
         adapter.KLGRPOConfig(kl_preset="sequence", beta=0.0, use_cpu=True)
-    assert doctor("--kl_preset", "sequence").verdict == "no-op"
+    report = doctor("--kl_preset", "sequence")
+    assert report.verdict == "refused" and "silent no-op" in report.hazards[0].message
 
 
 def test_kl_budget_is_noted_and_a_fixed_beta_is_told_how_to_state_one():
@@ -77,14 +78,14 @@ def test_kl_budget_is_noted_and_a_fixed_beta_is_told_how_to_state_one():
     (["--kl_target", "nan"], "kl_target must be a finite number > 0"),
     (["--kl_preset", "token"], "does not follow its gradient"),
     (["--kl_preset", "reward", "--num_iterations", "2"], "off-policy"),
-    (["--kl_is_clip", "2"], "is_clip=2.0"),
+    (["--kl_is_clip", "2"], "capped importance weights"),
 ])
 def test_budgets_klgrpoconfig_refuses_are_reported_refused(argv, message):
-    """The doctor's refusal is KLGRPOConfig's own (same message)."""
+    """The doctor's refusal is KLGRPOConfig's own (same message): the verdict refused, exit 3."""
     argv = ["--kl_preset", "sequence", "--beta", "0.04", "--kl_target", "0.5", *argv]
     report = doctor(*argv)
     (refused,) = [h for h in report.hazards if h.code == "refused"]
-    assert refused.severity == "bias" and message in refused.message and report.exit_code == 1
+    assert refused.severity == "refused" and message in refused.message and report.exit_code == 3
     fields = dict(zip(argv[::2], argv[1::2]))
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         adapter.KLGRPOConfig(kl_preset=fields["--kl_preset"], beta=0.04, kl_target=float(fields["--kl_target"]),
@@ -146,8 +147,10 @@ def test_example_script():
 
 @pytest.mark.parametrize("argv, code", [
     ([], 0), (["--beta", "0.04"], 1), (["--beta", "0.04", "--kl_preset", "sequence"], 0),
-    (["--kl_preset", "sequence"], 1), (["--beta", "0.04", "--no_such_flag", "1"], 2),
-    (["--beta", "0.04", "--kl_preset", "nope"], 2), (["--trainer", "ppo"], 2),
+    (["--beta", "0.04", "--kl_preset", "full"], 0), (["--kl_preset", "sequence", "--kl_target", "0.5"], 0),
+    (["--kl_preset", "sequence"], 3), (["--beta", "0.04", "--no_such_flag", "1"], 2),
+    (["--beta", "0.04", "--kl_preset", "nope"], 3), (["--beta", "0.04", "--kl_preset", "full", "--kl_is_clip", "2"], 3),
+    (["--beta", "0.04", "--kl_preset", "sequence", "--kl_target", "-1"], 3), (["--trainer", "ppo"], 2),
 ])
 def test_exit_codes_and_json(argv, code, capsys):
     assert main(["doctor", "trl", "--json", *argv]) == code

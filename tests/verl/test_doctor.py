@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from kl_adapters import native
+from kl_adapters import activation, native
 from kl_adapters.adapters import verl as adapter
 from kl_adapters.cli import main
 from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
@@ -87,9 +87,10 @@ HAZARDS = [
     (REWARD + ["algorithm.adv_estimator=gae", "algorithm.lam=0.95"], "gae-lambda", "bias"),
     (LOSS + ["actor_rollout_ref.actor.kl_loss_type=abs"], "unsupported-estimator", "bias"),
     (LOSS + ["actor_rollout_ref.actor.kl_loss_type=full"], "unsupported-estimator", "bias"),
-    (["+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=sequence"], "refused", "no-op"),
-    (["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], "refused", "no-op"),
-    (LOSS + REWARD + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], "refused", "bias"),
+    (["+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=sequence"], "refused", "refused"),
+    (["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], "refused", "refused"),
+    (LOSS + REWARD + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], "refused", "refused"),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:full"], "refused", "refused"),
 ]
 
 
@@ -97,7 +98,7 @@ HAZARDS = [
 def test_hazard(overrides, code, severity):
     report = doctor(*overrides)
     assert codes(report).get(code) == severity, report.hazards
-    assert report.exit_code == (1 if severity != "warning" else report.exit_code)
+    assert report.exit_code == {"refused": 3, "warning": report.exit_code}.get(severity, 1)
 
 
 @pytest.mark.parametrize("overrides, code, severity", [h for h in HAZARDS if h[2] != "warning"])
@@ -144,7 +145,7 @@ BUDGET_REFUSALS = [
 def test_budget_refusals_are_the_adapters(overrides, message):
     report = doctor(*overrides)
     (refused,) = [h for h in report.hazards if h.code == "refused"]
-    assert refused.severity == "bias" and message in refused.message and report.exit_code == 1
+    assert refused.severity == "refused" and message in refused.message and report.exit_code == 3
     with pytest.raises(ValueError, match=message):
         adapter.check_config(compose(overrides)[0])
 
@@ -208,6 +209,8 @@ def test_unresolved_kl_setting_is_unreadable(tmp_path, capsys):
 @pytest.mark.parametrize("argv, code", [
     ([], 0), (LOSS, 1), (LOSS + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence"], 0),
     (LOSS + ["actor_rollout_ref.actor.kl_loss_coef=0"], 1), (["no_such_key=1"], 2),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:full"], 3),
+    (LOSS + ["actor_rollout_ref.actor.kl_loss_type=kl_adapters:nope"], 3),
 ])
 def test_exit_codes_and_json(argv, code, capsys):
     assert main(["doctor", "verl", "--json", *argv]) == code
@@ -245,6 +248,26 @@ def test_partial_override_lists(argv, paths):
 
 
 @pytest.mark.parametrize("argv, message", [
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:nope"],
+     "actor_rollout_ref.actor.kl_loss_type='kl_adapters:nope': unknown KL preset 'nope'"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:sequence:kl_target=-1'"],
+     "kl_target must be a finite number > 0"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:token:kl_target=1'"],
+     "preset 'token' does not follow its gradient"),
+    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:full"], "preset 'full' needs the full next-token"),
+    (LOSS, "KL_ADAPTERS='sequnce': unknown KL preset 'sequnce'"),  # the doctor's own environment (monkeypatched)
+])
+def test_refused_settings_get_a_verdict_not_a_traceback(argv, message, capsys, monkeypatch):
+    """What kl-adapters refuses (a value, or a setting verl cannot run): the verdict REFUSED, exit 3, on stdout."""
+    if "sequnce" in message:
+        monkeypatch.setenv(activation.ENV_VAR, "sequnce")
+        activation.activate_from_env(defer=True)
+    assert main(["doctor", "verl", *argv]) == 3
+    captured = capsys.readouterr()
+    assert "verdict: REFUSED (exit 3)" in captured.out and message in captured.out and captured.err == ""
+
+
+@pytest.mark.parametrize("argv, message", [
     (["use_kl_loss=True"], "verl's ppo_trainer.yaml has no key 'use_kl_loss': did you mean "
                            "actor_rollout_ref.actor.use_kl_loss?"),
     (["actor_rollout_ref.actor.use_kl_loss"], "Error parsing override 'actor_rollout_ref.actor.use_kl_loss'; "
@@ -257,11 +280,6 @@ def test_partial_override_lists(argv, paths):
     (["--config-name"], "--config-name needs a value"),
     (["--config-name", "nope"], "config 'nope' is not one of the installed verl's trainer configs"),
     (["--actor_rollout_ref.actor.use_kl_loss=True"], "unsupported main_ppo option"),
-    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:nope"], "unknown KL preset 'nope'"),
-    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:sequence:kl_target=-1'"],
-     "kl_target must be a finite number > 0"),
-    ([*LOSS, "actor_rollout_ref.actor.kl_loss_type='kl_adapters:token:kl_target=1'"],
-     "preset 'token' does not follow its gradient"),
     (["no_such_script.sh"], "cannot read no_such_script.sh"),
 ])
 def test_unreadable_overrides_get_one_plain_line(argv, message, capsys):

@@ -249,6 +249,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    "(T = 128, trl-default vs sequence-plain, 2 seeds, 120 steps, a few minutes; "
                    "kl_adapters.demo.long_horizon_run.QUICK): writes long_horizon_trl_quick.* to --out; the other "
                    "options do not apply")
+    p.add_argument("--task", action="store_true", help="instead, the task benchmark's quick variant (short-answer "
+                   "addition from a reference trained here, beta = 0 vs TRL's default KL vs sequence, 2 seeds, a few "
+                   "minutes; kl_adapters.demo.task.driver.QUICK, docs/task.md): writes task_quick.* to --out; the "
+                   "other options do not apply")
 
 
 def add_long_argument(p: argparse.ArgumentParser, name: str) -> None:

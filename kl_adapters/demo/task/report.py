@@ -1,0 +1,174 @@
+"""Tables, paired tests, collapse and spike counts, and the frontier plot of the task benchmark's runs.
+
+A run (one line of the benchmark's .jsonl) holds its evaluation rows ("history": per split "id" / "ood", the scorers'
+means and standard errors, "kl", "length") and TRL's or the harness's per-step metrics. The definitions below are the
+protocol's (docs/task.md), fixed before any comparison ran:
+
+  collapse   a non-finite loss or gradient norm at any step, or a final in-domain score (accuracy; gold reward in
+             the proxy setting) more than COLLAPSE_POINTS below the reference's (the run's step-0 evaluation), or a
+             final in-domain mean completion length outside LENGTH_RANGE times the reference's
+  spike      a step whose gradient norm exceeds SPIKE_FACTOR times the median gradient norm of the run
+
+Comparisons are paired by seed (seed s of every configuration shares the reference, the prompt order and the
+evaluation's random numbers): the mean difference to the best configuration with the two-sided paired t-test
+(`long_horizon_report.paired_test`); p >= 0.05 is reported as a tie.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..long_horizon_report import paired_test, standard_error
+
+COLLAPSE_POINTS = 0.10
+LENGTH_RANGE = (0.5, 2.0)
+SPIKE_FACTOR = 10.0
+SIGNIFICANCE = 0.05
+
+
+def score_name(run: dict) -> str:
+    """The in-domain score of a run's setting: "gold" in the proxy setting, else "accuracy"."""
+    return "gold" if run["key"]["setting"] == "proxy" else "accuracy"
+
+
+def final(run: dict, split: str, metric: str) -> float:
+    return run["history"][-1][split][metric]
+
+
+def collapsed(run: dict) -> bool:
+    first, last, score = run["history"][0]["id"], run["history"][-1]["id"], score_name(run)
+    low, high = LENGTH_RANGE
+    return (not run.get("finite", True) or last[score] < first[score] - COLLAPSE_POINTS
+            or not low * first["length"] <= last["length"] <= high * first["length"])
+
+
+def spikes(run: dict) -> int:
+    norms = [row["grad_norm"] for row in run.get("trl", run.get("steps", [])) if "grad_norm" in row]
+    if not norms:
+        return 0
+    median = statistics.median(norms)
+    return sum(n > SPIKE_FACTOR * median for n in norms)
+
+
+def metrics_of(run: dict) -> dict[str, float]:
+    """The run's final numbers that the tables compare."""
+    score = score_name(run)
+    out = {"id": final(run, "id", score), "ood": final(run, "ood", score) if "ood" in run["history"][-1] else None,
+           "kl": final(run, "id", "kl"), "kl_ood": final(run, "ood", "kl") if "ood" in run["history"][-1] else None,
+           "length": final(run, "id", "length"), "collapse": float(collapsed(run)), "spikes": float(spikes(run))}
+    if score == "gold":
+        out["proxy"] = final(run, "id", "proxy")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def summarize(runs: Iterable[dict]) -> dict[str, dict]:
+    """configuration -> {"seeds": [...], "failed_seeds": [...], metric: {"mean", "se", "per_seed"}} over its runs
+    (sorted by seed); a failed run (it raised: driver.run_job) is listed in failed_seeds and counted as a collapse."""
+    by_config: dict[str, list[dict]] = {}
+    for run in sorted(runs, key=lambda r: r["seed"]):
+        by_config.setdefault(run["config"], []).append(run)
+    out = {}
+    for config, everything in by_config.items():
+        group = [r for r in everything if r.get("history")]  # a failed run has none (driver.run_job)
+        if not group:
+            continue
+        rows = [metrics_of(r) for r in group]
+        entry = {"seeds": [r["seed"] for r in group], "reference": metrics_of_reference(group[0]),
+                 "failed_seeds": [r["seed"] for r in everything if not r.get("history")]}
+        for metric in rows[0]:
+            values = [row[metric] for row in rows]
+            entry[metric] = {"mean": statistics.fmean(values), "se": standard_error(values), "per_seed": values}
+        out[config] = entry
+    return out
+
+
+def metrics_of_reference(run: dict) -> dict[str, float]:
+    """The step-0 evaluation (the reference itself)."""
+    first, score = run["history"][0], score_name(run)
+    return {"id": first["id"][score], "ood": first["ood"][score] if "ood" in first else float("nan")}
+
+
+def versus_best(summary: dict[str, dict], metric: str, higher: bool = True) -> dict:
+    """The configuration with the best mean `metric`, and each other's paired difference to it on the seeds both ran."""
+    best = (max if higher else min)(summary, key=lambda c: summary[c][metric]["mean"])
+    out = {"best": best, "versus": {}}
+    for config, row in summary.items():
+        common = [s for s in row["seeds"] if s in summary[best]["seeds"]]
+        if config == best or len(common) < 2:
+            continue
+        a = [row[metric]["per_seed"][row["seeds"].index(s)] for s in common]
+        b = [summary[best][metric]["per_seed"][summary[best]["seeds"].index(s)] for s in common]
+        difference, p = paired_test(a, b)
+        out["versus"][config] = {"difference": difference, "p": p,
+                                 "significant": bool(p < SIGNIFICANCE) if not math.isnan(p) else False}
+    return out
+
+
+def _cell(entry: dict, scale: float = 1.0, digits: int = 1) -> str:
+    mean, se = entry["mean"] * scale, entry["se"] * scale
+    return f"{mean:.{digits}f} +- {se:.{digits}f}" if not math.isnan(se) else f"{mean:.{digits}f}"
+
+
+def _versus_text(test: dict | None, scale: float = 1.0) -> str:
+    if test is None:
+        return "best"
+    word = "significant" if test["significant"] else "tie"
+    return f"{test['difference'] * scale:+.1f} (p = {test['p']:.3f}, {word})"
+
+
+def table(summary: dict[str, dict], title: str, score: str = "accuracy") -> str:
+    """One row per configuration: in-domain and out-of-domain score (percent), KL(pi || pi_ref) per sequence on the
+    in-domain and out-of-domain prompts, length, collapses and spikes, and the paired test against the best in-domain
+    and out-of-domain configuration."""
+    tests = {m: versus_best(summary, m) for m in ("id", "ood") if all(m in r for r in summary.values())}
+    proxy = all("proxy" in r for r in summary.values())
+    head = (f"{'configuration':<28} {'seeds':>5}  {'in-domain ' + score + ' %':>20}  {'vs best':<28} "
+            f"{'out-of-domain %':>16}  {'vs best':<28} {'KL(pi||ref) id':>15} {'KL ood':>14} {'length':>7} "
+            f"{'collapses':>9} {'spikes':>6}" + (f" {'proxy reward %':>16}" if proxy else ""))
+    lines = [title, head, "-" * len(head)]
+    order = sorted(summary, key=lambda c: -summary[c]["id"]["mean"])
+    for config in order:
+        row = summary[config]
+        line = (f"{config:<28} {len(row['seeds']):>5}  {_cell(row['id'], 100):>20}  "
+                f"{_versus_text(tests['id']['versus'].get(config) if config != tests['id']['best'] else None, 100):<28} ")
+        if "ood" in tests:
+            line += (f"{_cell(row['ood'], 100):>16}  "
+                     f"{_versus_text(tests['ood']['versus'].get(config) if config != tests['ood']['best'] else None, 100):<28} ")
+        line += (f"{_cell(row['kl'], 1, 2):>15} {_cell(row['kl_ood'], 1, 2) if 'kl_ood' in row else '':>14} "
+                 f"{row['length']['mean']:>7.1f} {int(sum(row['collapse']['per_seed'])) + len(row['failed_seeds']):>5} / {len(row['seeds']) + len(row['failed_seeds']):<1} "
+                 f"{statistics.fmean(row['spikes']['per_seed']):>6.1f}")
+        if proxy:
+            line += f" {_cell(row['proxy'], 100):>16}"
+        lines.append(line)
+    reference = next(iter(summary.values()))["reference"]
+    lines.append(f"reference (step 0): in-domain {100 * reference['id']:.1f} %, out-of-domain "
+                 f"{100 * reference['ood']:.1f} %")
+    return "\n".join(lines)
+
+
+def plot_frontier(points: dict[str, list[tuple[float, float, float, float, str]]], path: Path, title: str,
+                  ylabel: str) -> None:
+    """Score against KL(pi || pi_ref): per configuration family, one point per beta (mean, with standard errors)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family, rows in points.items():
+        rows = sorted(rows)
+        ax.errorbar([r[0] for r in rows], [r[2] for r in rows], xerr=[r[1] for r in rows],
+                    yerr=[r[3] for r in rows], marker="o", capsize=3, label=family)
+        for r in rows:
+            ax.annotate(r[4], (r[0], r[2]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("KL(pi || pi_ref) per sequence (nats, in-domain prompts)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

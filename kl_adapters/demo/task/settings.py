@@ -1,0 +1,47 @@
+"""What one task run is: the setting, the RL settings and the scale (model, prompts, steps), as plain data.
+
+`SCALES` holds the scale option of bench/task.py (`--scale`): the same command runs a larger model, more prompts and
+more steps where there is a GPU. "cpu" is the committed benchmark's scale (2 CPU cores), "smoke" CI's few steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .reference import ReferenceSpec
+
+SETTINGS = ("short", "scratch", "proxy")
+
+
+@dataclass(frozen=True)
+class RLSettings:
+    """One RL run's hyper-parameters (every configuration of a comparison shares them)."""
+
+    steps: int = 150
+    prompts_per_step: int = 8  # distinct prompts per optimizer step
+    group: int = 8  # completions per prompt (TRL's num_generations)
+    learning_rate: float = 3e-4  # AdamW (TRL default: weight decay 0), decayed linearly to 0
+    beta: float = 0.05  # the KL coefficient, in TRL's meaning (per token, relative to the task loss)
+    lag: int = 1  # optimizer steps per generation (TRL's steps_per_generation): rollouts up to lag - 1 steps stale
+    eval_every: int = 50
+    eval_prompts: int = 512  # held-out prompts per split and evaluation (one completion each)
+
+    @property
+    def batch(self) -> int:
+        return self.prompts_per_step * self.group
+
+
+@dataclass(frozen=True)
+class Scale:
+    reference: ReferenceSpec
+    rl: RLSettings
+    max_new_tokens: dict[str, int] = field(default_factory=lambda: {"short": 8, "scratch": 128})
+
+
+SCALES: dict[str, Scale] = {
+    "cpu": Scale(ReferenceSpec(), RLSettings()),
+    "smoke": Scale(ReferenceSpec(hidden=32, layers=2, steps=40, batch=32), RLSettings(steps=3, prompts_per_step=2,
+                   group=4, eval_every=3, eval_prompts=16)),
+    "gpu": Scale(ReferenceSpec(hidden=256, layers=6, heads=8, steps=20_000, batch=256, learning_rate=1e-3, threads=8),
+                 RLSettings(steps=500, prompts_per_step=32, group=8, learning_rate=3e-4, eval_prompts=2048)),
+}

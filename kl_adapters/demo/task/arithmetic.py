@@ -13,9 +13,10 @@ str(a + b), else 0.
 **Teacher noise.** The reference is trained (`reference.py`) on completions from a noisy teacher, so that it has real
 but imperfect skill, as a pretrained model does: the teacher knows the algorithm and slips at a fixed rate.
   * ``short``: with probability ``noise`` one digit of the sum is off by one (mod 10).
-  * ``scratch``: each step independently, with probability ``noise``, writes s +- 1 instead of s; the carry of the
-    next step and the answer are read from what was written, so a slip propagates as a careful student's would.
-    The teacher's accuracy is (1 - noise)^d.
+  * ``scratch``: each step independently, with probability ``noise``, writes s +- 1 instead of s (clamped to 0..19,
+    so a slip at a column sum of 0 or 19 may leave it as it was); the carry of the next step and the answer are read
+    from what was written, so a slip propagates as a careful student's would. The teacher's accuracy is about
+    (1 - noise)^d.
 
 **Splits.** Every (a, b) pair belongs to the train half or the test half by a hash (`is_test_pair`), so no test
 prompt is ever trained on (reference or RL). A `Split` is a format, the digit counts it draws and the teacher noise

@@ -61,7 +61,7 @@ def prepare(setting: str, scale: str, eval_prompts: int, cache: Path | None, say
     spec = SCALES[scale]
     folder = reference.build(spec.reference, cache, say)
     fmt = "short" if setting == "proxy" else setting
-    proxy_folder = proxy.build(folder, proxy.ProxySpec(format=fmt), say) if setting == "proxy" else None
+    proxy_folder = proxy.build(folder, spec.proxy, say) if setting == "proxy" else None
     splits = arithmetic.SPLITS[fmt]
     train = arithmetic.draw(splits["id"], 4096, seed=0, test=False)
     tests = {part: arithmetic.draw(split, eval_prompts, seed=0, test=True) for part, split in splits.items()}
@@ -111,6 +111,16 @@ def key_of(framework: str, prepared: Prepared, scale: str, rl: RLSettings) -> di
             "reference": prepared.reference.name, "proxy": prepared.proxy.name if prepared.proxy else None}
 
 
+def budget_config(runs: list[dict], key: dict, of: str) -> str:
+    """The protocol's KL budget (docs/task.md): "sequence+kl_target=K", K = the mean over its seeds of `of`'s final
+    in-domain KL(pi || pi_ref) in the runs with this key, to two significant digits. Refused until `of` has run."""
+    values = [r["history"][-1]["id"]["kl"] for r in runs if r["key"] == key and r["config"] == of and r.get("history")]
+    if not values:
+        raise SystemExit(f"configuration 'budget' needs the runs of {of!r} with the same settings first (its mean "
+                         "final KL is the target): run them, then the budget")
+    return f"sequence+kl_target={float(f'{sum(values) / len(values):.2g}')!r}"
+
+
 def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] | None = None) -> int:
     """Every (beta, lag, configuration, seed) of the arguments not yet in <out>/<name>.jsonl, then the report.
     `runners`: framework name -> Runner (default: TRL only)."""
@@ -136,7 +146,8 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
             for lag in _ints(args.lag):
                 rl = replace(base, beta=beta, lag=lag)
                 key = key_of(args.framework, prepared, args.scale, rl)
-                todo += [(key, rl, c, s) for c in configs for s in _ints(args.seeds)
+                resolved = [budget_config(runs, key, args.budget_of) if c == "budget" else c for c in configs]
+                todo += [(key, rl, c, s) for c in resolved for s in _ints(args.seeds)
                          if (json.dumps(key, sort_keys=True), c, s) not in done]
         if not args.report:
             say(f"{args.framework}, setting {args.setting}: {len(todo)} runs to do ({len(runs)} in {store}); "
@@ -220,7 +231,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="short: short answers; scratch: answers after a worked scratchpad; proxy: RL on a learned "
                    "proxy reward, gold = the verifier")
     p.add_argument("--configs", required=True, help="comma-separated configurations (trl-default, k3-loss, token, "
-                   "sequence, sequence-plain, full, beta=0, any preset, '+field=value' options)")
+                   "sequence, sequence-plain, full, beta=0, any preset, '+field=value' options; budget: sequence with "
+                   "kl_target = the mean final KL of --budget-of's runs)")
+    p.add_argument("--budget-of", default="trl-default", help="the configuration whose KL the budget matches "
+                   "(trl-default)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (0,1,2,3,4)")
     p.add_argument("--beta", default=str(RLSettings.beta), help=f"KL coefficient(s), comma-separated ({RLSettings.beta})")
     p.add_argument("--lag", default="1", help="optimizer steps per generation, comma-separated (1: on-policy)")
@@ -246,6 +260,7 @@ QUICK = {"setting": "short", "scale": "quick", "configs": "beta=0,trl-default,se
 def quick(out: str) -> int:
     """`kl-adapters demo --task`: `QUICK` through TRL's GRPOTrainer (a few minutes on 2 CPU cores)."""
     args = argparse.Namespace(**QUICK, beta=str(RLSettings.beta), lag="1", steps=None, lr=None, prompts=None,
+                              budget_of="trl-default",
                               eval_prompts=None, framework="trl", workers=2, cache=None, name="task_quick", out=out,
                               report=False)
     return execute(args, f"kl-adapters demo --task --out {out}")

@@ -1,13 +1,15 @@
 """What one task run is: the setting, the RL settings and the scale (model, prompts, steps), as plain data.
 
 `SCALES` holds the scale option of bench/task.py (`--scale`): the same command runs a larger model, more prompts and
-more steps where there is a GPU. "cpu" is the committed benchmark's scale (2 CPU cores), "smoke" CI's few steps.
+more steps where there is a GPU. "cpu" is the committed benchmark's scale (2 CPU cores); "quick" is `kl-adapters demo
+--task` (a reference trained on the short splits only, 100 steps); "smoke" is CI's few steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .proxy import ProxySpec
 from .reference import ReferenceSpec
 
 SETTINGS = ("short", "scratch", "proxy")
@@ -35,13 +37,17 @@ class RLSettings:
 class Scale:
     reference: ReferenceSpec
     rl: RLSettings
+    proxy: ProxySpec = ProxySpec()
     max_new_tokens: dict[str, int] = field(default_factory=lambda: {"short": 8, "scratch": 128})
 
 
+SHORT_ONLY = (("short", "id", 0.7), ("short", "ood", 0.3))
+
 SCALES: dict[str, Scale] = {
     "cpu": Scale(ReferenceSpec(), RLSettings()),
+    "quick": Scale(ReferenceSpec(steps=1500, threads=2, mixture=SHORT_ONLY), RLSettings(steps=100, eval_prompts=256)),
     "smoke": Scale(ReferenceSpec(hidden=32, layers=2, steps=40, batch=32), RLSettings(steps=3, prompts_per_step=2,
-                   group=4, eval_every=3, eval_prompts=16)),
+                   group=4, eval_every=3, eval_prompts=16), ProxySpec(samples=64, hidden=16, layers=1, steps=5)),
     "gpu": Scale(ReferenceSpec(hidden=256, layers=6, heads=8, steps=20_000, batch=256, learning_rate=1e-3, threads=8),
                  RLSettings(steps=500, prompts_per_step=32, group=8, learning_rate=3e-4, eval_prompts=2048)),
 }

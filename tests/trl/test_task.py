@@ -1,0 +1,93 @@
+"""The task benchmark through TRL (kl_adapters.demo.task; docs/task.md): its evaluation's exactness, the cached
+reference, and a smoke run of bench/task.py (a few steps at the "smoke" scale) in every setting."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kl_adapters.demo.task import arithmetic, reference
+from kl_adapters.demo.task.evaluate import completion_logps, encode_prompts, sample, sequence_kl
+from kl_adapters.demo.task.settings import SCALES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smoke_reference(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("task_cache")
+    return cache, reference.build(SCALES["smoke"].reference, cache, say=lambda *_: None)
+
+
+def test_reference_is_cached_by_its_spec(smoke_reference):
+    cache, folder = smoke_reference
+    stamp = (folder / "reference.json").stat().st_mtime_ns
+    assert reference.build(SCALES["smoke"].reference, cache, say=lambda *_: None) == folder  # not retrained
+    assert (folder / "reference.json").stat().st_mtime_ns == stamp
+    assert json.loads((folder / "reference.json").read_text())["spec"]["steps"] == SCALES["smoke"].reference.steps
+    assert SCALES["smoke"].reference.key() != SCALES["cpu"].reference.key()
+
+
+def test_the_sampler_keeps_the_policy_distributions_of_a_teacher_forced_forward(smoke_reference):
+    """The KV-cache sampler on left-padded prompts of different lengths records, at every live position, the same
+    next-token distribution as one forward over prompt + completion (RoPE: left padding moves no relative position),
+    so the Rao-Blackwellized KL sums the right distributions."""
+    from transformers import AutoModelForCausalLM
+
+    _, folder = smoke_reference
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = reference.tokenizer()
+    prompts = [e.prompt for e in arithmetic.draw(arithmetic.SPLITS["short"]["id"], 6, 0, test=True)]
+    prompts += ["1+2=", "123+456:"]
+    torch.manual_seed(0)
+    samples = sample(model, *encode_prompts(tok, prompts), max_new_tokens=12)
+    forced = completion_logps(model, samples)
+    live = samples.mask
+    assert live.any(1).all()
+    assert torch.allclose(forced[live], samples.logp[live], atol=1e-5)
+    assert torch.allclose(sequence_kl(samples, forced), torch.zeros(len(prompts), dtype=torch.float64), atol=1e-5)
+
+
+def test_sequence_kl_is_the_sum_of_the_per_position_kls(smoke_reference):
+    from transformers import AutoModelForCausalLM
+
+    _, folder = smoke_reference
+    policy, ref = (AutoModelForCausalLM.from_pretrained(folder).eval() for _ in range(2))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tok = reference.tokenizer()
+    torch.manual_seed(1)
+    samples = sample(policy, *encode_prompts(tok, ["12+3=", "7+8="]), max_new_tokens=6)
+    ref_logp = completion_logps(ref, samples)
+    expected = [sum(float(torch.nn.functional.kl_div(ref_logp[i, t], samples.logp[i, t], log_target=True,
+                                                     reduction="sum"))
+                    for t in range(samples.tokens.shape[1]) if samples.mask[i, t]) for i in range(2)]
+    assert torch.allclose(sequence_kl(samples, ref_logp), torch.tensor(expected, dtype=torch.float64), atol=1e-5)
+    assert (sequence_kl(samples, ref_logp) > 0).all()
+
+
+@pytest.mark.parametrize("setting", ["short", "scratch", "proxy"])
+def test_smoke_run_of_the_benchmark(smoke_reference, tmp_path, setting):
+    """bench/task.py end to end at the smoke scale: every configuration kind trains through GRPOTrainer.train(),
+    each run is stored, the report names every configuration, and the adapter ran under `sequence`."""
+    cache, _ = smoke_reference
+    configs = "beta=0,trl-default,sequence,sequence+kl_target=0.5"
+    cmd = [sys.executable, str(ROOT / "bench/task.py"), "--setting", setting, "--configs", configs, "--seeds", "0",
+           "--scale", "smoke", "--workers", "0", "--cache", str(cache), "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = [json.loads(line) for line in (tmp_path / f"task_{setting}_trl.jsonl").read_text().splitlines()]
+    assert [r["config"] for r in runs] == configs.split(",")
+    assert all("error" not in r and r["finite"] and len(r["history"]) == 2 for r in runs)
+    by_config = {r["config"]: r for r in runs}
+    assert "kl_adapters/seq_kl" in by_config["sequence"]["trl"][-1]
+    assert "kl_adapters/beta" in by_config["sequence+kl_target=0.5"]["trl"][-1]
+    assert "kl_adapters/seq_kl" not in by_config["trl-default"]["trl"][-1]
+    text = (tmp_path / f"task_{setting}_trl.txt").read_text()
+    assert all(c in text for c in configs.split(",")) and (tmp_path / f"task_{setting}_trl.png").exists()
+    score = "gold" if setting == "proxy" else "accuracy"
+    assert score in runs[0]["history"][-1]["id"]

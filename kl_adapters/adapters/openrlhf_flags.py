@@ -5,7 +5,7 @@ OpenRLHF 0.10.2 (commit ed62d0e2, "dotted config hierarchy") replaced the flat f
 by dotted ones; every release kl-adapters supports (0.10.4-0.11.2) refuses the old names as "unrecognized arguments".
 `RENAMED` holds the flags the doctor reads and those most scripts and posts use: each old name with its new one, the
 same argument (matched by help text, default and use between the 0.10.1.post2 and 0.11.2 parsers). Imports nothing.
-Pinned by tests/openrlhf/test_cli.py::test_renamed_flags_are_new_flags_of_the_installed_openrlhf.
+Pinned by tests/openrlhf/test_activation.py::test_renamed_flags_are_new_flags_of_the_installed_openrlhf.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
     runners = runners or {"trl": run_trl}
     if args.framework not in runners:
         raise SystemExit(f"unknown framework {args.framework!r}; valid: {', '.join(runners)}")
-    from ..run import _framework_output_to
+    from ..output import output_to as _framework_output_to
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +138,9 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
              "eval_prompts": args.eval_prompts}
     base = replace(base, **{k: v for k, v in given.items() if v is not None})
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.report:  # the tables and plot from the store alone: no reference, no log
+        print(write_report(runs, out, args.name))
+        return 0
     with _framework_output_to(out / f"{args.name}.log") as say:
         prepared = prepare(args.setting, args.scale, base.eval_prompts, args.cache, say)
         done = {(json.dumps(r["key"], sort_keys=True), r["config"], r["seed"]) for r in runs}
@@ -149,10 +152,9 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
                 resolved = [budget_config(runs, key, args.budget_of) if c == "budget" else c for c in configs]
                 todo += [(key, rl, c, s) for c in resolved for s in _ints(args.seeds)
                          if (json.dumps(key, sort_keys=True), c, s) not in done]
-        if not args.report:
-            say(f"{args.framework}, setting {args.setting}: {len(todo)} runs to do ({len(runs)} in {store}); "
-                f"frameworks' output -> {out / (args.name + '.log')}")
-            _run_all(args, runners[args.framework], prepared, todo, runs, store, command, say)
+        say(f"{args.framework}, setting {args.setting}: {len(todo)} runs to do ({len(runs)} in {store}); "
+            f"frameworks' output -> {out / (args.name + '.log')}")
+        _run_all(args, runners[args.framework], prepared, todo, runs, store, command, say)
         text = write_report(runs, out, args.name)
         say("\n" + text + f"\n\ntable: {out / args.name}.txt   plot: {args.name}.png   every figure: {args.name}.jsonl")
     return 0
@@ -204,17 +206,29 @@ def write_report(runs: list[dict], out: Path, name: str) -> str:
         summaries.append({"key": key, "summary": summary,
                           "versus_best": {m: report.versus_best(summary, m) for m in ("id", "ood")
                                           if all(m in r for r in summary.values())}})
-        for config, row in summary.items():
-            points.setdefault(config, []).append((row["kl"]["mean"], row["kl"]["se"], row["id"]["mean"],
-                                                  row["id"]["se"], f"b={rl['beta']:g},lag={rl['lag']}"))
+        if rl["lag"] == 1:  # the frontier: on-policy runs across betas
+            for config, row in summary.items():
+                family = "budget (sequence + kl_target)" if "+kl_target=" in config else config
+                points.setdefault(family, []).append({"beta": rl["beta"], "kl": row["kl"], "id": row["id"],
+                                                      "ood": row.get("ood")})
+    by_lag: dict[tuple, dict[int, dict]] = {}
+    for entry in summaries:
+        rl = entry["key"]["rl"]
+        by_lag.setdefault((rl["beta"], json.dumps({**entry["key"], "rl": {**rl, "lag": 0}}, sort_keys=True)),
+                          {})[rl["lag"]] = entry["summary"]
+    for (beta, _), lags in by_lag.items():
+        if len(lags) > 1:
+            texts.append(report.lag_table(lags, f"asynchronous lag at beta {beta:g}: steps_per_generation = lag "
+                                                "(rollouts 0 .. lag - 1 optimizer steps stale)"))
     commands = list(dict.fromkeys(r["command"] for r in runs))
     text = "\n\n".join(texts)
     (out / f"{name}.txt").write_text("".join(f"$ {c}\n" for c in commands) + "\n" + text + "\n")
-    from ..run import environment
+    from ..output import environment
 
     (out / f"{name}.json").write_text(json.dumps({"commands": commands, "environment": environment(),
                                                   "groups": summaries}, indent=1) + "\n")
-    report.plot_frontier(points, out / f"{name}.png", name, "in-domain score (final)")
+    report.plot_frontier(points, out / f"{name}.png", f"{name}: final score against KL(pi || pi_ref), "
+                         "mean +- se over seeds, one point per beta")
     return text
 
 
@@ -249,7 +263,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", type=Path, help="where the reference is cached (reference.default_cache())")
     p.add_argument("--name", help="output stem (task_<setting>_<framework>)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT}/; committed: bench/results)")
-    p.add_argument("--report", action="store_true", help="only rebuild <name>.txt/.json/.png from <name>.jsonl")
+    p.add_argument("--report", action="store_true", help="only rebuild <name>.txt/.json/.png from <name>.jsonl (no "
+                   "reference, no run, the log untouched)")
 
 
 #: `kl-adapters demo --task`: short-answer addition from the "quick" scale's reference (trained here on the short

@@ -61,6 +61,9 @@ def metrics_of(run: dict) -> dict[str, float]:
            "length": final(run, "id", "length"), "collapse": float(collapsed(run)), "spikes": float(spikes(run))}
     if score == "gold":
         out["proxy"] = final(run, "id", "proxy")
+    ess = [row["kl_adapters/is_ess"] for row in run.get("trl", run.get("steps", [])) if "kl_adapters/is_ess" in row]
+    if ess:
+        out["is_ess"] = statistics.fmean(ess)  # the training batches' full-sequence importance-weight ESS (1 on-policy)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -76,7 +79,7 @@ def summarize(runs: Iterable[dict]) -> dict[str, dict]:
         if not group:
             continue
         rows = [metrics_of(r) for r in group]
-        entry = {"seeds": [r["seed"] for r in group], "reference": metrics_of_reference(group[0]),
+        entry = {"seeds": [r["seed"] for r in group], "reference": metrics_of_reference(group),
                  "failed_seeds": [r["seed"] for r in everything if not r.get("history")]}
         for metric in rows[0]:
             values = [row[metric] for row in rows]
@@ -85,10 +88,12 @@ def summarize(runs: Iterable[dict]) -> dict[str, dict]:
     return out
 
 
-def metrics_of_reference(run: dict) -> dict[str, float]:
-    """The step-0 evaluation (the reference itself)."""
-    first, score = run["history"][0], score_name(run)
-    return {"id": first["id"][score], "ood": first["ood"][score] if "ood" in first else float("nan")}
+def metrics_of_reference(runs: list[dict]) -> dict[str, float]:
+    """The step-0 evaluation (the reference itself), averaged over the runs' seeds (every configuration of a seed
+    evaluates the reference with the same random numbers)."""
+    score = score_name(runs[0])
+    firsts = [r["history"][0] for r in runs]
+    return {split: statistics.fmean(f[split][score] for f in firsts) for split in ("id", "ood") if split in firsts[0]}
 
 
 def versus_best(summary: dict[str, dict], metric: str, higher: bool = True) -> dict:
@@ -144,31 +149,60 @@ def table(summary: dict[str, dict], title: str, score: str = "accuracy") -> str:
             line += f" {_cell(row['proxy'], 100):>16}"
         lines.append(line)
     reference = next(iter(summary.values()))["reference"]
-    lines.append(f"reference (step 0): in-domain {100 * reference['id']:.1f} %, out-of-domain "
-                 f"{100 * reference['ood']:.1f} %")
+    lines.append(f"reference (step 0, mean over the seeds' evaluations): in-domain {100 * reference['id']:.1f} %"
+                 + (f", out-of-domain {100 * reference['ood']:.1f} %" if "ood" in reference else ""))
     return "\n".join(lines)
 
 
-def plot_frontier(points: dict[str, list[tuple[float, float, float, float, str]]], path: Path, title: str,
-                  ylabel: str) -> None:
-    """Score against KL(pi || pi_ref): per configuration family, one point per beta (mean, with standard errors)."""
+def lag_table(summaries: dict[int, dict[str, dict]], title: str) -> str:
+    """The lag study: one row per (configuration, lag) with the in-domain and out-of-domain score, the KL, collapses,
+    spikes and the mean importance-weight ESS of the training batches (kl-adapters presets only)."""
+    head = (f"{'configuration':<16} {'lag':>3}  {'in-domain %':>13}  {'out-of-domain %':>15}  {'KL(pi||ref)':>12}  "
+            f"{'collapses':>9}  {'spikes':>6}  {'is_ess':>6}")
+    lines = [title, head, "-" * len(head)]
+    configs = list(dict.fromkeys(c for rows in summaries.values() for c in rows))
+    for config in configs:
+        for lag, rows in sorted(summaries.items()):
+            row = rows.get(config)
+            if row is None:
+                continue
+            n = len(row["seeds"]) + len(row["failed_seeds"])
+            ess = f"{row['is_ess']['mean']:.3f}" if "is_ess" in row else "--"
+            lines.append(f"{config:<16} {lag:>3}  {_cell(row['id'], 100):>13}  {_cell(row['ood'], 100):>15}  "
+                         f"{_cell(row['kl'], 1, 2):>12}  {int(sum(row['collapse']['per_seed'])) + len(row['failed_seeds']):>5} / {n}  "
+                         f"{statistics.fmean(row['spikes']['per_seed']):>6.1f}  {ess:>6}")
+    return "\n".join(lines)
+
+
+def plot_frontier(points: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Final score against the final in-domain KL(pi || pi_ref), in domain and out of domain (two panels): per
+    configuration family one point per beta (mean +- se over seeds), joined in order of KL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family, rows in points.items():
-        rows = sorted(rows)
-        ax.errorbar([r[0] for r in rows], [r[2] for r in rows], xerr=[r[1] for r in rows],
-                    yerr=[r[3] for r in rows], marker="o", capsize=3, label=family)
-        for r in rows:
-            ax.annotate(r[4], (r[0], r[2]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("KL(pi || pi_ref) per sequence (nats, in-domain prompts)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = [("id", "in-domain score")] + ([("ood", "out-of-domain score")] if any(
+        p["ood"] for rows in points.values() for p in rows) else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (split, label) in zip(axes[0], panels):
+        for family, rows in points.items():
+            rows = sorted((r for r in rows if r[split]), key=lambda r: r["kl"]["mean"])
+            if not rows:
+                continue
+            ax.errorbar([r["kl"]["mean"] for r in rows], [100 * r[split]["mean"] for r in rows],
+                        xerr=[r["kl"]["se"] for r in rows], yerr=[100 * r[split]["se"] for r in rows], marker="o",
+                        capsize=3, label=family, alpha=0.85)
+            if family != "beta=0":
+                for r in rows:
+                    ax.annotate(f"{r['beta']:g}", (r["kl"]["mean"], 100 * r[split]["mean"]), fontsize=7,
+                                xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("KL(pi || pi_ref) per sequence, in-domain prompts (nats, log scale)")
+        ax.set_ylabel(label + " (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -103,8 +103,10 @@ def run(folder: Path, config: str, rl: RLSettings, seed: int, max_new_tokens: in
     evaluate_at(0)
     trainer.add_callback(Clock())
     trainer.train()
+    # one row per optimizer step (logging_steps = 1: every row with a "loss"); with lag > 1 TRL logs the rollout's
+    # metrics (reward, length) only at the steps that generate, the loss's (grad_norm, kl_adapters/*) at every step
     logs = [{k: float(f"{row[k]:.6g}") for k in TRL_METRICS if k in row} for row in trainer.state.log_history
-            if "reward" in row]
+            if "loss" in row]
     return {"history": history, "step_seconds": seconds, "trl": logs,
             "finite": all(math.isfinite(r.get("loss", 0.0)) and math.isfinite(r.get("grad_norm", 0.0))
                           for r in logs)}

@@ -50,6 +50,9 @@ group size and N_tok the step's completion-token count (OpenRLHF's batch_num_tok
     (N_tok is the sampled group's own count, so the factor is random; its correlation with the gradient estimate is
     O(1/G).) args.algo.kl.init_coef is set to that value before each step and passed as kl_ctl.
   * beta=0: --algo.kl.init_coef 0 (OpenRLHF then computes no KL).
+
+The training step itself (`OpenRLHFStep`) takes an Experience from its subclass: `OpenRLHFLoss` makes the toy group's
+at every step; bench/task_openrlhf.py's takes a generation round's rows on the task benchmark.
 """
 
 from __future__ import annotations
@@ -79,12 +82,16 @@ SPECS: dict[str, tuple[list[str], str | None, str]] = {
 CONFIGS = {k: v[2] for k, v in SPECS.items()}
 
 
-def cli_argv(config: str, group: int, coef: float, horizon: int) -> list[str]:
+def cli_argv(config: str, group: int, coef: float, horizon: int, *, prompts: int = 1, rows: int | None = None,
+             estimator: str = "dr_grpo") -> list[str]:
+    """train_ppo_ray's arguments for a configuration: `group` samples per prompt, `prompts` prompts per rollout, `rows`
+    sequences per optimizer step (one micro-batch; default: one group), OpenRLHF's advantage `estimator`."""
     extra, preset, _ = SPECS[config]
+    rows = rows or group
     argv = ["--actor.model_name_or_path", "toy-gpt2", "--reward.remote_url", "http://127.0.0.1:1",
-            "--algo.advantage.estimator", "dr_grpo", "--rollout.n_samples_per_prompt", str(group),
-            "--rollout.batch_size", "1", "--rollout.micro_batch_size", "1", "--actor.num_gpus_per_node", "1",
-            "--ref.num_gpus_per_node", "1", "--train.micro_batch_size", str(group), "--train.batch_size", str(group),
+            "--algo.advantage.estimator", estimator, "--rollout.n_samples_per_prompt", str(group),
+            "--rollout.batch_size", str(prompts), "--rollout.micro_batch_size", "1", "--actor.num_gpus_per_node", "1",
+            "--ref.num_gpus_per_node", "1", "--train.micro_batch_size", str(rows), "--train.batch_size", str(rows),
             "--train.max_epochs", "1", "--actor.policy_loss_type", "ppo", "--actor.loss_agg_mode", "token-mean",
             "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
             "--algo.kl.init_coef", "0" if config == "beta=0" else repr(coef), "--ds.attn_implementation", "eager",
@@ -92,11 +99,20 @@ def cli_argv(config: str, group: int, coef: float, horizon: int) -> list[str]:
     return argv + (["--algo.kl.preset", preset] if preset else [])
 
 
-def parse_args(config: str, group: int, coef: float, horizon: int):
+def parse_args(argv: list[str], config: str):
     """OpenRLHF's parsed args; the kl-adapters configuration goes through the adapter's launcher (its flag)."""
     from openrlhf_harness import cli_args
 
-    return cli_args(cli_argv(config, group, coef, horizon), wrapper=SPECS[config][1] is not None)
+    return cli_args(argv, wrapper=SPECS[config][1] is not None)
+
+
+def actor_of(model):
+    """OpenRLHF's Actor around a Hugging Face model (what its trainer and experience maker call)."""
+    from openrlhf.models import Actor
+
+    actor = Actor(model)
+    actor.packing_samples = False  # Actor(<nn.Module>) leaves it unset (only the path branch of __init__ sets it)
+    return actor
 
 
 def _strategy_class():
@@ -117,38 +133,37 @@ def _strategy_class():
     return HarnessStrategy
 
 
-class OpenRLHFLoss:
-    """harness.LossFn: the loss OpenRLHF's ActorPPOTrainer.training_step builds; its metrics per step in `.metrics`.
+class OpenRLHFStep:
+    """The loss OpenRLHF's ActorPPOTrainer.training_step builds on one Experience per call; its metrics per step in
+    `.metrics`. Subclasses say where the Experience comes from (`experience(model, batch)`): `OpenRLHFLoss` (the toy
+    problem's group) and bench/task_openrlhf.py's `TaskOpenRLHFLoss` (a generation round's rows).
 
-    kl-adapters' activation is per process (as in OpenRLHF, one trainer per actor process): constructing one switches
-    off whatever an earlier one switched on, then parses this configuration's flags. Use one at a time."""
+    coef: OpenRLHF's kl_ctl of its own KL losses; under the adapter's flag kl_ctl = coef * rows / N_tok per step
+    (`kl_ctl`, module docstring), rows the sequences of one optimizer step. kl-adapters' activation is per process (as
+    in OpenRLHF, one trainer per actor process): constructing one switches off whatever an earlier one switched on,
+    then parses this configuration's flags (`argv`, `cli_argv`). Use one at a time."""
 
-    def __init__(self, problem, config: str, group: int):
+    def __init__(self, config: str, argv: list[str], *, coef: float, rows: int):
         import openrlhf.trainer.ppo_utils.experience_maker  # noqa: F401  (imported first: the flag patches them when
         import openrlhf.trainer.ray.ppo_actor  # noqa: F401                  parsed)
 
         import kl_adapters
-        from kl_adapters.demo.harness import kl_coefficient
 
         kl_adapters.disable()
 
-        self.problem, self.config, self.group = problem, config, group
-        self.coef = kl_coefficient(problem, group)  # beta (G-1)/G
+        self.config, self.coef, self.rows = config, coef, rows
         self.adapter = SPECS[config][1] is not None
-        self.args = parse_args(config, group, self.coef, problem.horizon)
+        self.args = parse_args(argv, config)
         self.trainer = None
-        self.previous_kl_ctl: float | None = None
         self.metrics: list[dict[str, float]] = []
 
     def _build(self, model) -> None:
         import torch
-        from openrlhf.models import Actor
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
         from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
         from openrlhf_cpu_shim import cuda_shims
 
-        actor = Actor(model)
-        actor.packing_samples = False  # Actor(<nn.Module>) leaves it unset (only the path branch of __init__ sets it)
+        actor = actor_of(model)
         self.strategy = _strategy_class()(self.args, accumulated_gradient=1, lr=0.0, record=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # never stepped (see HarnessStrategy)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -158,20 +173,60 @@ class OpenRLHFLoss:
             for (owner, name), fn in shims.items():
                 setattr(owner, name, fn)
             self.trainer = ActorPPOTrainer(self.strategy, actor, None, optimizer, scheduler,
-                                           micro_train_batch_size=self.group, dataloader_pin_memory=False)
+                                           micro_train_batch_size=self.rows, dataloader_pin_memory=False)
         finally:
             for (owner, name), fn in saved.items():
                 setattr(owner, name, fn)
         self.model = model
-        # only its compute_advantages_and_returns runs: no model groups; the KL controller is set per step
+        # only its compute_advantages_and_returns runs: no model groups; the KL controller is set per rollout
         self.maker = RemoteExperienceMaker(None, None, None, None, None, self.strategy, None)
+
+    def built_for(self, model) -> None:
+        """The trainer (and experience maker) around `model`, built at its first use."""
+        if self.trainer is None or model is not self.model:
+            self._build(model)
 
     def kl_ctl(self, num_tokens: float) -> float:
         if self.config == "beta=0":
             return 0.0
-        return self.coef * self.group / num_tokens if self.adapter else self.coef
+        return self.coef * self.rows / num_tokens if self.adapter else self.coef
 
-    def experience(self, model, batch, num_tokens: float):
+    def experience(self, model, batch):
+        raise NotImplementedError
+
+    def __call__(self, model, batch):
+        import torch
+        from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+        self.built_for(model)
+        experience = self.experience(model, batch)
+        ((experience, info),) = iter_grad_accum_global_norm([experience], self.strategy, 1, lambda e: e.action_mask)
+        kl_ctl = self.kl_ctl(float(info["batch_num_tokens"]))
+        self.args.algo.kl.init_coef = kl_ctl  # OpenRLHF's FixedKLController value = init_coef
+        status = self.trainer.training_step(experience, kl_ctl, 0, info)
+        loss, self.strategy.loss = self.strategy.loss, None
+        step = {"kl_ctl": kl_ctl}
+        for key in ("policy_loss", "kl", "logprobs_diff", "ppo_kl", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap"):
+            value = status["metrics"].get(key)
+            if value is not None:
+                step[key] = float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        self.metrics.append(step)
+        return loss
+
+
+class OpenRLHFLoss(OpenRLHFStep):
+    """harness.LossFn: `OpenRLHFStep` on the toy problem's group (one prompt of G completions, made into an Experience
+    at every step: `experience`), kl_ctl of OpenRLHF's own KL losses beta (G-1)/G (module docstring)."""
+
+    def __init__(self, problem, config: str, group: int):
+        from kl_adapters.demo.harness import kl_coefficient
+
+        coef = kl_coefficient(problem, group)  # beta (G-1)/G
+        super().__init__(config, cli_argv(config, group, coef, problem.horizon), coef=coef, rows=group)
+        self.problem = problem
+        self.previous_kl_ctl: float | None = None
+
+    def experience(self, model, batch):
         """The group as OpenRLHF's experience maker hands it to the actor (module docstring): under the adapter, its
         compute_advantages_and_returns on the rollout's Experience, whose log-probs carry the sampling policy's
         pi(EOS | y_<t); OpenRLHF's own KL configurations get the same advantages from the harness (the gradient check
@@ -184,6 +239,7 @@ class OpenRLHFLoss:
         from kl_adapters.demo.harness import batch_logps_and_eos
 
         mask = batch.completion_mask
+        num_tokens = float(mask.sum())
         attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
         fields = dict(sequences=batch.input_ids, attention_mask=attention, action_mask=mask,
                       base_action_log_probs=batch.ref_logp, index=list(range(mask.shape[0])), info={})
@@ -198,26 +254,6 @@ class OpenRLHFLoss:
         self.previous_kl_ctl = current
         (experience,) = self.maker.compute_advantages_and_returns([experience])
         return experience
-
-    def __call__(self, model, batch):
-        import torch
-        from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
-
-        if self.trainer is None or model is not self.model:
-            self._build(model)
-        experience = self.experience(model, batch, float(batch.completion_mask.sum()))
-        ((experience, info),) = iter_grad_accum_global_norm([experience], self.strategy, 1, lambda e: e.action_mask)
-        kl_ctl = self.kl_ctl(float(info["batch_num_tokens"]))
-        self.args.algo.kl.init_coef = kl_ctl  # OpenRLHF's FixedKLController value = init_coef
-        status = self.trainer.training_step(experience, kl_ctl, 0, info)
-        loss, self.strategy.loss = self.strategy.loss, None
-        step = {"kl_ctl": kl_ctl}
-        for key in ("policy_loss", "kl", "logprobs_diff", "ppo_kl", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap"):
-            value = status["metrics"].get(key)
-            if value is not None:
-                step[key] = float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
-        self.metrics.append(step)
-        return loss
 
 
 def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dict]]:

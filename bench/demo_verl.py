@@ -13,7 +13,7 @@ function below hands them to verl in the layout its engines use:
                                which ppo_loss turns back with its own no_padding_2_padding); with gradient
     model_output[EOS_PROB / IS_EOS]  pi(EOS | x_<=j) from the same forward's logits and whether x_{j+1} is EOS, in the
                                same layout: what the adapter's FSDP-engine hook adds to model_output in a real
-                               worker (`harness.batch_logps_and_eos`); read only under a reduced preset
+                               worker (`completions.logps_and_eos`); read only under a reduced preset
     data (TensorDict)          prompts, responses, attention_mask, response_mask, old_log_probs (the sampling policy:
                                on-policy, so PPO's ratio is 1 and its clip never acts), ref_log_prob, advantages
                                (r_i - mean_j r_j on every token), dp_size 1, batch_num_tokens, global_batch_size G
@@ -33,7 +33,10 @@ advantages. The adapter adds -coef * sum_{s>=t} k1_s after the group normalisati
 this is coef * (G / N_tok) * grad KL_seq in expectation, against (G-1)/N_tok * grad E[r]: the same coef = beta (G-1)/G.
 
 Not exercised: verl's engines (FSDP/Megatron workers, Ray); the log-probs come from the harness's own forward
-(`harness.batch_logps_and_eos`), not from verl's engine forward. Runs on CPU (no stubs needed for verl).
+(`completions.logps_and_eos`), not from verl's engine forward. Runs on CPU (no stubs needed for verl).
+
+The loss itself (`VerlPPOLoss`) takes any `kl_adapters.demo.completions.Completions` batch: prompts of any width,
+several prompt groups (verl's uid); bench/task_verl.py runs it on the task benchmark.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kl_adapters.demo.completions import Completions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.pop("KL_ADAPTERS", None)  # only verl's own config names select kl-adapters here
@@ -67,18 +74,22 @@ CONFIGS = {k: v[2] for k, v in SPECS.items()}
 _KEEP = ("kl_loss", "kl_coef", "actor/pg_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff")
 
 
-class VerlLoss:
-    """harness.LossFn: the scalar of verl's ppo_loss for one configuration; per-step verl metrics in `.metrics`."""
+class VerlPPOLoss:
+    """The scalar of verl's ppo_loss for one configuration on a `completions.Completions` batch (any prompt width,
+    several prompt groups: verl's ``uid``); per-step verl metrics in `.metrics`.
 
-    def __init__(self, problem, config: str, group: int):
+    group: verl's rollout_n (completions per prompt); rows: the sequences of one optimizer step (one mini-batch, one
+    micro-batch); coef: kl_loss_coef (algorithm.kl_ctrl.kl_coef on the reward path); normalized: whether the
+    advantages are GRPO's std-normalised ones (norm_adv_by_std_in_grpo, what the driver tells the adapter's workers:
+    `_driver_env`). `VerlLoss` is the toy problem's, bench/task_verl.py's `TaskVerlLoss` the task's."""
+
+    def __init__(self, config: str, *, group: int, rows: int, coef: float, eos_id: int, normalized: bool):
         from verl.workers.config import ActorConfig
 
-        from kl_adapters.demo.harness import kl_coefficient
-
-        self.problem, (self.path, self.estimator, _) = problem, SPECS[config]
-        self.coef = kl_coefficient(problem, group)
+        (self.path, self.estimator, _) = SPECS[config]
+        self.coef, self.eos_id, self.normalized = coef, eos_id, normalized
         self.actor = ActorConfig(
-            strategy="fsdp", rollout_n=group, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=group,
+            strategy="fsdp", rollout_n=group, ppo_mini_batch_size=rows // group, ppo_micro_batch_size_per_gpu=rows,
             use_kl_loss=self.path == "loss", kl_loss_type=self.estimator if self.path == "loss" else "low_var_kl",
             kl_loss_coef=self.coef if self.path == "loss" else 0.0, loss_agg_mode="token-mean")
         assert self.actor.policy_loss.loss_mode == "vanilla" and self.actor.clip_ratio == 0.2
@@ -89,23 +100,22 @@ class VerlLoss:
         self.metrics: list[dict[str, float]] = []
         self.non_tensor: dict = {}  # further non-tensor entries of the batch (bench/kl_budget.py: the budget's beta)
 
-    def __call__(self, model, batch):
-        import torch
+    def __call__(self, model, batch: Completions):
         import torch.nn.functional as F
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils import losses
 
         from kl_adapters.adapters.verl import EOS_PROB, IS_EOS
-        from kl_adapters.demo.harness import batch_logps_and_eos
+        from kl_adapters.demo.completions import logps_and_eos
 
-        mask = batch.completion_mask
-        group = mask.shape[0]
-        attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
-        tokens = {"prompts": batch.input_ids[:, :1], "responses": batch.input_ids[:, 1:], "attention_mask": attention,
+        mask, attention = batch.mask, batch.attention_mask
+        tokens = {"prompts": batch.prompts, "responses": batch.tokens, "attention_mask": attention,
                   "response_mask": mask.long()}
-        # [G, T], 0 at padding; as flat: the value at every real position j (x_{j+1} given x_<=j), 0 at the last
-        logp, eos_prob, is_eos = batch_logps_and_eos(self.problem, model, batch)
-        flat = {key: F.pad(x, (0, 1))[attention.bool()]
+        # [B, T], 0 at padding; as flat: the value at every real position j (x_{j+1} given x_<=j), 0 at the last
+        # (the prompt's last token predicts the first response token: column P - 1)
+        logp, eos_prob, is_eos = logps_and_eos(model, batch, self.eos_id)
+        left = batch.prompts.shape[1] - 1
+        flat = {key: F.pad(x, (left, 1))[attention.bool()]
                 for key, x in (("log_probs", logp), (EOS_PROB, eos_prob), (IS_EOS, is_eos))}
         step: dict[str, float] = {}
         if self.path == "reward":
@@ -114,9 +124,11 @@ class VerlLoss:
             advantages = batch.advantages[:, None] * mask
         data = tu.get_tensordict(
             {**tokens, "old_log_probs": batch.old_logp, "ref_log_prob": batch.ref_logp, "advantages": advantages},
-            non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": group,
+            non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": mask.shape[0],
                              **self.non_tensor})
-        with _driver_env():
+        if batch.groups is not None:
+            data["uid"] = list(uids(batch))
+        with _driver_env(self.normalized):
             loss, metrics = losses.ppo_loss(self.actor, flat, data)
         for key, value in metrics.items():
             if key in _KEEP or key.startswith("kl_adapters/"):
@@ -125,36 +137,77 @@ class VerlLoss:
         return loss
 
     def _reward_path(self, batch, tokens):
-        import numpy as np
         import torch
-        from verl import DataProto
-        from verl.trainer.config import AlgoConfig
         from verl.trainer.ppo import ray_trainer
 
-        mask = batch.completion_mask
-        last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))  # outcome reward at each response's last token
-        data = DataProto.from_dict(
-            tensors={"response_mask": tokens["response_mask"], "responses": tokens["responses"],
-                     "attention_mask": tokens["attention_mask"], "old_log_probs": batch.old_logp,
-                     "ref_log_prob": batch.ref_logp, "token_level_scores": batch.rewards[:, None] * last},
-            non_tensors={"uid": np.array(["prompt0"] * mask.shape[0], dtype=object)})
+        data = outcome_proto(batch, {"response_mask": tokens["response_mask"], "responses": tokens["responses"],
+                                     "attention_mask": tokens["attention_mask"], "old_log_probs": batch.old_logp,
+                                     "ref_log_prob": batch.ref_logp, "token_level_scores": outcome_scores(batch)})
         data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=self.kl_ctrl, kl_penalty=self.estimator)
-        data = ray_trainer.compute_advantage(data, adv_estimator="grpo", gamma=1.0, lam=1.0, num_repeat=mask.shape[0],
-                                             norm_adv_by_std_in_grpo=False,
-                                             config=AlgoConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False))
-        advantages = data.batch["advantages"].to(torch.float32)
+        advantages = grpo_advantages(data, self.normalized).to(torch.float32)
         return advantages, {k: float(v) for k, v in metrics.items()}
 
 
+class VerlLoss(VerlPPOLoss):
+    """harness.LossFn: `VerlPPOLoss` on the toy problem's groups (one prompt of G completions, advantages
+    r_i - mean_j r_j: grpo without std), kl_loss_coef = `harness.kl_coefficient` (module docstring)."""
+
+    def __init__(self, problem, config: str, group: int):
+        from kl_adapters.demo.harness import kl_coefficient
+
+        super().__init__(config, group=group, rows=group, coef=kl_coefficient(problem, group), eos_id=problem.eos_id,
+                         normalized=False)
+
+    def __call__(self, model, batch):
+        from kl_adapters.demo.completions import of_toy
+
+        return super().__call__(model, of_toy(batch))
+
+
+def uids(batch: Completions):
+    """verl's ``uid`` column of a batch: one string per prompt group ("prompt0" for all rows without groups)."""
+    import numpy as np
+
+    groups = [0] * batch.mask.shape[0] if batch.groups is None else batch.groups.tolist()
+    return np.array([f"prompt{g}" for g in groups], dtype=object)
+
+
+def outcome_scores(batch: Completions):
+    """[B, T] each row's reward at its response's last token (verl's token_level_scores of an outcome reward)."""
+    mask = batch.mask
+    return batch.rewards[:, None] * (mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True)))
+
+
+def outcome_proto(batch: Completions, tensors: dict):
+    """A verl DataProto of the batch's rows with `tensors` and their ``uid`` (what RayPPOTrainer.fit holds)."""
+    from verl import DataProto
+
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uids(batch)})
+
+
+def grpo_advantages(data, normalized: bool):
+    """[B, T] verl's GRPO advantages of a DataProto (``ray_trainer.compute_advantage(data, "grpo")``, which runs
+    core_algos.compute_grpo_outcome_advantage within each uid: (r - mean) / (std + 1e-6) when normalized, else
+    r - mean), from its token_level_rewards."""
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo import ray_trainer
+
+    rows = len(data)
+    data = ray_trainer.compute_advantage(data, adv_estimator="grpo", gamma=1.0, lam=1.0, num_repeat=rows,
+                                         norm_adv_by_std_in_grpo=normalized,
+                                         config=AlgoConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=normalized))
+    return data.batch["advantages"]
+
+
 @contextlib.contextmanager
-def _driver_env():
-    """The environment verl's driver gives the actor workers for the harness's advantages (algorithm.adv_estimator=grpo,
-    norm_adv_by_std_in_grpo=False: r_i - mean_j r_j): the adapter's ADVANTAGES_ENV, "shifted" (its runtime_env
-    addition; the workers see no algorithm config). Restored afterwards."""
+def _driver_env(normalized: bool):
+    """The environment verl's driver gives the actor workers for GRPO advantages (algorithm.adv_estimator=grpo,
+    norm_adv_by_std_in_grpo=`normalized`; the toy's: False, r_i - mean_j r_j): the adapter's ADVANTAGES_ENV,
+    "shifted" or "normalized" (its runtime_env addition; the workers see no algorithm config). Restored afterwards."""
     from kl_adapters.adapters.verl import ADVANTAGES_ENV, advantage_scaling
 
     before = os.environ.get(ADVANTAGES_ENV)
-    os.environ[ADVANTAGES_ENV] = advantage_scaling("grpo", norm_adv_by_std_in_grpo=False)
+    os.environ[ADVANTAGES_ENV] = advantage_scaling("grpo", norm_adv_by_std_in_grpo=normalized)
     try:
         yield
     finally:

@@ -11,7 +11,7 @@ Usage (one line per finished run on the terminal, the frameworks' output in <out
   .venvs/openrlhf/bin/python bench/task.py --framework openrlhf --setting short \\
       --configs beta=0,openrlhf-default-k3,unbiased_gradient,kl_adapters:sequence ...
         OpenRLHF 0.11.2's real training_step (bench/task_openrlhf.py)                  -> <out>/task_short_openrlhf.*
-  (verl and OpenRLHF: kl_adapters.demo.task.harness; beta means TRL's in every framework: docs/task_frameworks.md)
+  (verl and OpenRLHF: kl_adapters.demo.task.harness; beta means TRL's in every framework: docs/task.md)
 The reference (and the proxy reward model of --setting proxy) is trained on first use and cached
 (kl_adapters.demo.task.reference.default_cache(), or --cache).
 """

@@ -116,12 +116,8 @@ def batch_logps(model: torch.nn.Module, batch: Batch) -> Tensor:
 
 def batch_logps_and_eos(problem: ToyProblem, model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
     """From one forward of the model: [G, T] log pi(y_t | y_<t) with gradient, pi(EOS | y_<t) (detached) and
-    whether y_t is EOS (bool), all 0 / False at padding. What a framework's engine takes from the logits it already
-    computes for kl-adapters' termination control variate (`EndOfSequence`); equals `batch_logps` in its first output
-    (tests/verl/test_demo_runner.py::test_harness_eos_probabilities)."""
-    mask, ids = batch.completion_mask, batch.input_ids
-    attention = torch.cat([torch.ones_like(ids[:, :1]), mask.long()], 1)
-    log_pi = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1)
-    eos = problem.eos_id
-    logp = torch.where(mask, log_pi.gather(-1, ids[:, 1:, None]).squeeze(-1), 0.0)
-    return logp, torch.where(mask, log_pi[..., eos].detach().exp(), 0.0), mask & (ids[:, 1:] == eos)
+    whether y_t is EOS (bool), all 0 / False at padding (`completions.logps_and_eos` of the batch); equals
+    `batch_logps` in its first output (tests/verl/test_demo_runner.py::test_harness_eos_probabilities)."""
+    from .completions import logps_and_eos, of_toy
+
+    return logps_and_eos(model, of_toy(batch), problem.eos_id)

@@ -386,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"kl_budget_{args.part}"
-    from kl_adapters.demo.run import _framework_output_to
+    from kl_adapters.demo.output import output_to
 
-    with _framework_output_to(out / f"{name}.log") as say:
+    with output_to(out / f"{name}.log") as say:
         return _main(args, runs, configs, command, out, name, say)
 
 
@@ -426,7 +426,7 @@ def _main(args, runs: list[Run], configs: list[str], command: str, out: Path, na
 
 
 def environment() -> dict:
-    from kl_adapters.demo.run import environment as demo_environment
+    from kl_adapters.demo.output import environment as demo_environment
 
     return demo_environment()
 

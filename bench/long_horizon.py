@@ -87,7 +87,7 @@ def variance(args: argparse.Namespace, command: str) -> int:
     """Gradient variance of each configuration at policies along a training run (module docstring)."""
     import torch
 
-    from kl_adapters.demo.long_horizon_run import _framework_output_to
+    from kl_adapters.demo.output import output_to
     from kl_adapters.demo.long_horizon_trl import gradient_variance, run_trl
 
     out = Path(args.out)
@@ -98,7 +98,7 @@ def variance(args: argparse.Namespace, command: str) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     rows = []
     torch.set_num_threads(1)
-    with _framework_output_to(out / f"{name}.log") as say:
+    with output_to(out / f"{name}.log") as say:
         for horizon in [int(t) for t in args.horizons.split(",")]:
             problem = LongHorizonProblem(horizon=horizon, beta=args.beta, seed=0)
 

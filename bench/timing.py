@@ -62,7 +62,7 @@ def write_result(name: str, data: dict) -> Path:
     root = RESULTS.parent.parent
     interpreter = Path(sys.executable)
     shown = interpreter.relative_to(root) if interpreter.is_relative_to(root) else interpreter.name
-    from kl_adapters.demo.run import environment
+    from kl_adapters.demo.output import environment
 
     doc = {"command": " ".join(shlex.quote(str(a)) for a in [shown, *sys.argv]),
            "environment": environment(), **data}

@@ -94,6 +94,10 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo.run import main
 
     try:
+        if args.long_horizon:
+            from .demo.long_horizon_run import quick
+
+            return quick(args.out)
         if args.task:
             from .demo.task.driver import quick
 

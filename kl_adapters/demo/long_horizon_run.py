@@ -25,7 +25,7 @@ from pathlib import Path
 from . import long_horizon_report as report
 from .long_horizon_harness import LongSettings, Progress
 from .long_horizon_problem import LongHorizonProblem
-from .run import _framework_output_to, environment
+from .output import environment, output_to
 
 #: (problem, configuration, settings, progress) -> {"history": [...], "step_seconds": [...], ...}
 RunFn = Callable[[LongHorizonProblem, str, LongSettings, Progress], dict]
@@ -94,7 +94,7 @@ def execute(plan: Plan, args: argparse.Namespace, command: str) -> int:
     todo = [(t, c, s) for t in _ints(args.horizons) for c in configs for s in _ints(args.seeds)
             if (t, c, s) not in done]
     torch.set_num_threads(1)
-    with _framework_output_to(out / f"{plan.name}.log") as say:
+    with output_to(out / f"{plan.name}.log") as say:
         if not args.report:
             say(f"{plan.framework}: {len(todo)} runs to do ({len(done)} already in {store}); {settings}; "
                 f"frameworks' output -> {out / (plan.name + '.log')}")

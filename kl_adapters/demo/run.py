@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import multiprocessing
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +27,7 @@ from pathlib import Path
 
 from . import gradient_check, report
 from .harness import TrainSettings
+from .output import environment, output_to
 from .problem import REWARD_KINDS, ToyProblem
 
 #: (problem, configuration, seed, settings) -> (per-step exact metrics, the framework's own per-step metrics or None)
@@ -102,24 +100,6 @@ def _timed(run: RunFn, problem: ToyProblem, config: str, seed: int, settings: Tr
     return history, extras, time.perf_counter() - start
 
 
-def environment() -> dict:
-    """Python, torch and framework versions, device, and the kl-adapters source (`git describe --always --dirty` of
-    the checkout it runs from, when it runs from one): what a result was measured with."""
-    import torch
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    for dist in ("kl-adapters", "trl", "transformers", "verl", "openrlhf", "ray"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            env[dist] = importlib.metadata.version(dist)
-    source = Path(__file__).resolve().parents[2]
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        env["kl_adapters_source"] = subprocess.run(
-            ["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True, text=True,
-            check=True, timeout=10).stdout.strip()
-    return env
-
-
 def run_benchmark(bench: Benchmark, args: argparse.Namespace, settings: TrainSettings, command: str) -> int:
     """The check, then every (configuration, seed) pair of `bench`; prints the tables, writes <out>/<bench.name>.*.
 
@@ -132,30 +112,12 @@ def run_benchmark(bench: Benchmark, args: argparse.Namespace, settings: TrainSet
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"{bench.name}.log"
-    with _framework_output_to(log) as say:
+    with output_to(log) as say:
         try:
             return _run(bench, args, settings, command, chosen, problem, out, say)
         except BaseException:
             say(f"failed (traceback below); the frameworks' output is in {log}")
             raise
-
-
-@contextlib.contextmanager
-def _framework_output_to(log: Path):
-    """Point file descriptors 1 and 2 (this process and the workers it starts) at `log`; yield a print function
-    for the terminal. The descriptors are restored on exit, so an exception's traceback reaches the terminal."""
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    console = os.fdopen(os.dup(saved[0]), "w", buffering=1)
-    with open(log, "w") as sink:
-        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
-        try:
-            yield lambda *parts, **kw: print(*parts, **kw, file=console, flush=True)
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
-            console.close()
 
 
 def _run(bench, args, settings, command, chosen, problem, out, say) -> int:
@@ -265,10 +227,6 @@ def main(args: argparse.Namespace) -> int:
     """`kl-adapters demo`: TRL's GRPOTrainer; demo_trl_quick.* by default, demo_trl.* with --long."""
     from .trl_runner import CONFIGS, check_losses, run_trl
 
-    if args.long_horizon:
-        from .long_horizon_run import quick
-
-        return quick(args.out)
     settings = settings_from(args, LONG if args.long else QUICK)
     bench = Benchmark(name="demo_trl" if args.long else "demo_trl_quick", framework="TRL 1.16 GRPOTrainer",
                       run=run_trl, configs=CONFIGS, baseline="trl-default", candidate="sequence", check=check_losses,

@@ -5,7 +5,7 @@ worker processes and writes <out>/<name>.{jsonl,txt,json,png,log}.
                   proxy keys), configuration, seed, evaluation rows, per-step metrics, wall time; a later invocation
                   with the same --name skips the runs already there (seeds, configurations and betas can be added,
                   an interrupted job resumed)
-    <name>.txt    the commands, then per (beta, lag) the table of `report.table`
+    <name>.txt    the commands, then per (beta, lag) the table of `report.table` (<name>.md: as markdown)
     <name>.json   the summaries and paired tests;  <name>.png: score against KL(pi || pi_ref) per configuration
     <name>.log    everything the frameworks print; the terminal shows one line per finished run
 
@@ -193,7 +193,7 @@ def write_report(runs: list[dict], out: Path, name: str) -> str:
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(json.dumps(r["key"], sort_keys=True), []).append(r)
-    texts, summaries, points = [], [], {}
+    texts, markdowns, summaries, points = [], [], [], {}
     for key_text, group in groups.items():
         key = json.loads(key_text)
         rl = key["rl"]
@@ -203,6 +203,7 @@ def write_report(runs: list[dict], out: Path, name: str) -> str:
                  f"{rl['lag']}, {rl['steps']} steps x {rl['prompts_per_step']} prompts x G={rl['group']}, lr "
                  f"{rl['learning_rate']:g}; final evaluation on {rl['eval_prompts']} held-out prompts per split")
         texts.append(report.table(summary, title, "gold reward" if score == "gold" else score))
+        markdowns.append(f"**{title}**\n\n" + report.markdown(summary, "gold reward" if score == "gold" else score))
         summaries.append({"key": key, "summary": summary,
                           "versus_best": {m: report.versus_best(summary, m) for m in ("id", "ood")
                                           if all(m in r for r in summary.values())}})
@@ -223,6 +224,7 @@ def write_report(runs: list[dict], out: Path, name: str) -> str:
     commands = list(dict.fromkeys(r["command"] for r in runs))
     text = "\n\n".join(texts)
     (out / f"{name}.txt").write_text("".join(f"$ {c}\n" for c in commands) + "\n" + text + "\n")
+    (out / f"{name}.md").write_text("\n\n".join(markdowns) + "\n")
     from ..output import environment
 
     (out / f"{name}.json").write_text(json.dumps({"commands": commands, "environment": environment(),

@@ -154,6 +154,39 @@ def table(summary: dict[str, dict], title: str, score: str = "accuracy") -> str:
     return "\n".join(lines)
 
 
+def markdown(summary: dict[str, dict], score: str = "accuracy") -> str:
+    """The table of `table` as markdown (docs/task.md): score in and out of domain with the paired test against the
+    best, KL(pi || pi_ref) per sequence, collapses."""
+    tests = {m: versus_best(summary, m) for m in ("id", "ood") if all(m in r for r in summary.values())}
+    proxy = all("proxy" in r for r in summary.values())
+    columns = ["configuration", f"in-domain {score} %", "vs best"] + (["out-of-domain %", "vs best"] if "ood" in tests
+                                                                        else [])
+    columns += ["KL(pi \\|\\| pi_ref) in domain", "out of domain", "collapses"] + (["proxy reward %"] if proxy else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for config in sorted(summary, key=lambda c: -summary[c]["id"]["mean"]):
+        row = summary[config]
+        cells = [f"`{config}`", _cell(row["id"], 100), _markdown_versus(tests["id"], config)]
+        if "ood" in tests:
+            cells += [_cell(row["ood"], 100), _markdown_versus(tests["ood"], config)]
+        cells += [_cell(row["kl"], 1, 2), _cell(row["kl_ood"], 1, 2) if "kl_ood" in row else "",
+                  f"{int(sum(row['collapse']['per_seed'])) + len(row['failed_seeds'])} / "
+                  f"{len(row['seeds']) + len(row['failed_seeds'])}"]
+        if proxy:
+            cells.append(_cell(row["proxy"], 100))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _markdown_versus(test: dict, config: str) -> str:
+    if config == test["best"]:
+        return "**best**"
+    entry = test["versus"].get(config)
+    if entry is None:
+        return ""
+    p = "n/a" if math.isnan(entry["p"]) else f"{entry['p']:.3f}"
+    return f"{100 * entry['difference']:+.1f} (p {p}{', significant' if entry['significant'] else ''})"
+
+
 def lag_table(summaries: dict[int, dict[str, dict]], title: str) -> str:
     """The lag study: one row per (configuration, lag) with the in-domain and out-of-domain score, the KL, collapses,
     spikes and the mean importance-weight ESS of the training batches (kl-adapters presets only)."""

@@ -135,8 +135,10 @@ def test_group_ids_are_labels_and_batch_order_does_not_matter(batch):
     a = kl_statistics(logp, ref, mask, old_logp=old, group=group)
     relabelled = kl_statistics(logp[perm], ref[perm], mask[perm], old_logp=None if old is None else old[perm],
                                group=group[perm] * 7 + 100)
+    # the leave-one-out fits solve small, possibly ill-conditioned systems whose sums run in row order: a permutation
+    # moves them by rounding amplified by the condition number (2.5e-12 relative seen on 4 rows), hence 1e-9
     for field in ("cv_coef", "eos_coef", "past_coef"):
-        assert torch.allclose(getattr(a, field)[perm], getattr(relabelled, field), rtol=1e-12, atol=1e-14)
+        assert torch.allclose(getattr(a, field)[perm], getattr(relabelled, field), rtol=1e-9, atol=1e-14)
     assert torch.allclose(a.baseline[perm], relabelled.baseline, rtol=1e-10, atol=1e-12)
 
 

@@ -51,3 +51,12 @@ def test_the_proxy_setting_scores_gold():
         for split in row.values():
             split["gold"], split["proxy"] = split.pop("accuracy"), 0.9
     assert report.score_name(run) == "gold" and report.metrics_of(run)["proxy"] == 0.9
+
+
+def test_lag_table_keeps_the_configurations_run_at_several_lags():
+    """The lag-1 store holds every configuration of the main comparison; the lag table shows only those of the lag
+    study (run at more than one lag)."""
+    lag1 = report.summarize([_run(c, s, 0.5) for c in ("a", "b") for s in range(3)])
+    lag4 = report.summarize([_run("a", s, 0.5) for s in range(3)])
+    lines = report.lag_table({1: lag1, 4: lag4}, "title").splitlines()[3:]
+    assert [line.split()[:2] for line in lines] == [["a", "1"], ["a", "4"]]

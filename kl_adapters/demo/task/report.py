@@ -193,7 +193,8 @@ def lag_table(summaries: dict[int, dict[str, dict]], title: str) -> str:
     head = (f"{'configuration':<16} {'lag':>3}  {'in-domain %':>13}  {'out-of-domain %':>15}  {'KL(pi||ref)':>12}  "
             f"{'collapses':>9}  {'spikes':>6}  {'is_ess':>6}")
     lines = [title, head, "-" * len(head)]
-    configs = list(dict.fromkeys(c for rows in summaries.values() for c in rows))
+    configs = [c for c in dict.fromkeys(c for rows in summaries.values() for c in rows)
+               if sum(c in rows for rows in summaries.values()) > 1]  # the configurations run at several lags
     for config in configs:
         for lag, rows in sorted(summaries.items()):
             row = rows.get(config)

@@ -142,7 +142,7 @@ class Preset:
     uses_batch_statistics: bool = False
     #: its return sum_{s>t} X_s is per-decision importance-weighted (`sequence`), so its baseline statistics are too;
     #: False (`reward`): the return is unweighted, so the statistics are computed from unweighted returns (the baseline
-    #: then estimates the return it is subtracted from: measured 2-10x less variance off-policy, bench/variance.py)
+    #: then estimates the return it is subtracted from: less variance off-policy, bench/variance.py; docs/history.md)
     weighted_returns: bool = True
     #: needs both models' full next-token distributions, not sampled-token log-probs (`full`, full_vocab.py)
     needs_full_logits: bool = False

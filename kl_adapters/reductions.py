@@ -50,8 +50,8 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
      positive-part James-Stein factor (a mean of few returns adds its own noise).
   4. Every statistic of row b is multiplied by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows'
      tokens beyond the per-position means (`fit_shrinkage`): a row with fewer than two other rows with tokens gets 0,
-     the plain form, and a tiny group only a fraction of its fit (groups of 3-4 three-token completions far from the
-     reference: 1.25-1.66x `sequence-plain`'s task + KL variance unshrunk, 0.940-0.996x shrunk; docs/variance.md).
+     the plain form, and a tiny group only a fraction of its fit (measured on groups of 3-4 three-token completions:
+     docs/variance.md, exact tiny batches).
 """
 
 from __future__ import annotations
@@ -295,8 +295,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     row's shift-free advantages enter the fit (a function of that row alone, zero at padding; None: 1,
     `off_policy_task_weight`). Off-policy the returns are already relative to t (`relative_returns`) and the tokens
     are not reweighted: weighting the fit by the importance weight the preset puts on a row (w_{1:t}^2), with the task as A / w, was
-    measured and dropped: it extrapolates the other rows' baselines to row b's weight, and at T = 1024 with G = 4
-    the task + KL variance rose to 17-205x `sequence-plain`'s (bench/variance.py --task, off-policy). Computed in
+    tried and dropped: it extrapolates the other rows' baselines to row b's weight (measured: docs/history.md). Computed in
     float64 whatever the working dtype (the leave-one-out sums are group totals minus the row's own terms, whose
     rounding must not reach a fitted coefficient), returned in the working dtype. Every statistic is shrunk toward 0
     (the plain form) by `fit_shrinkage` of the other rows' per-position token counts: 0 with fewer than two other rows
@@ -398,8 +397,8 @@ def fit_shrinkage(count: Tensor) -> Tensor:
     """[B] the factor dof / (dof + FIT_PRIOR_DOF) on every fitted statistic of row b, dof = sum_t max(n_{b,t} - 1, 0)
     from count [B, T] = n_{b,t}, the other rows' tokens at position t (0 with fewer than two other rows with tokens).
     Adding f x (a fitted reduction) changes the variance by 2 f Cov + f^2 Var: with few tokens the fit's own noise
-    (Var) outweighs what it removes, and a small f keeps the first-order gain
-    (bench/results/audit_V3_T3_task_fallback.txt, docs/variance.md)."""
+    (Var) outweighs what it removes, and a small f keeps the first-order gain (measured: docs/variance.md). Pinned by
+    tests/core/test_statistics.py::test_small_fits_are_shrunk_toward_the_plain_form."""
     return _shrinkage((count - 1).clamp(min=0).sum(-1))
 
 
@@ -486,7 +485,8 @@ def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
     counts M as one more token with xi = M and k1 = -log(1 + M) (the most conservative: the largest xi^2 for that mass),
     which pulls a~ toward 0 where the control variate's variance is dominated by a tail the fit cannot see (the
     long-horizon problem near pi*, `bench/reduction_components.py`; docs/variance.md). A function of the other rows:
-    the gradient stays exact (tests/core/test_batch_exactness.py)."""
+    the gradient stays exact (tests/core/test_batch_exactness.py). Pinned by
+    tests/core/test_statistics.py::test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero."""
     return (-sum_xi - TAIL_Z * sum_xi_sq.clamp(min=0.0).sqrt()).clamp(min=0.0)
 
 
@@ -540,10 +540,9 @@ def off_policy_task_weight(log_rho: Tensor, mask: Tensor) -> Tensor:
     joint fit when the returns are importance-weighted. The trainer's task term weighs token t by rho_t and the KL
     return by w_{1:t} = w_{1:t-1} rho_t, so the task's noise cancels the KL return's (what the joint fit exploits near
     the regularized optimum) only where w_{1:t-1} is near 1; f is 1 there (on-policy: every f = 1) and falls to 0 as
-    the prefix weight leaves 1 in either direction. Counting the advantages in the fit at full weight made the task +
-    KL variance of `sequence` off-policy at T = 1024 up to 1.16x `sequence-plain`'s, leaving them out made short
-    horizons far worse, and the exact frame change (A / w_{1:t-1}) up to 24x (bench/variance.py off-policy grids,
-    docs/variance.md). A function of the row alone: other rows' statistics stay exact
+    the prefix weight leaves 1 in either direction. Counting the advantages at full weight, leaving them out and the
+    exact frame change (A / w_{1:t-1}) were each measured worse (bench/variance.py off-policy grids: docs/history.md;
+    what this weight does: docs/variance.md). A function of the row alone: other rows' statistics stay exact
     (tests/core/test_batch_exactness.py)."""
     log_prefix = log_rho.cumsum(-1) - log_rho
     return torch.exp(-log_prefix.abs()) * mask
@@ -561,11 +560,10 @@ def fade_baseline_(minus_baseline: Tensor, weights: Tensor) -> Tensor:
     bench/kl_term_cost.py).
     Why: the baseline is fitted to the other rows' returns relative to t, unweighted, while a row's gradient weighs it
     by w_{1:t}; far off-policy the variance is carried by the rare rows whose prefix weight has left 1 by orders of
-    magnitude, and for them the fitted baseline (lambda Pi_t - m_t together: either alone is worse) added variance:
-    `sequence`'s KL term at T = 4096, G = 4, drift 1.0 off-policy (bench/variance.py, 2^26 tokens) was 1.51 +- 0.40
-    `sequence-plain`'s, 0.97 with lambda and m zeroed, 1.00 with this fade. Fading every row (exp(-r |log w_{1:t-1}|),
-    r = 1/4) or from e^(+-2) on cost up to 0.16 in other cells of the off-policy grid; from e^(+-4) on, T <= 1024 is
-    unchanged within its standard errors (docs/variance.md)."""
+    magnitude, and for them the fitted baseline (lambda Pi_t - m_t together: either alone is worse) added variance
+    (`sequence`'s KL term at T = 4096, G = 4, drift 1.0 off-policy, bench/variance.py). Fading every row
+    (exp(-r |log w_{1:t-1}|)) or from e^(+-2) on cost variance in other cells of the off-policy grid; from e^(+-4) on,
+    T <= 1024 is unchanged within its standard errors (measured: docs/variance.md; the variants: docs/history.md)."""
     before = weights[..., :-1]
     fade = torch.reciprocal(before)
     torch.minimum(fade, before, out=fade).mul_(math.exp(BASELINE_FREE_LOG_WEIGHT)).clamp_(max=1.0)

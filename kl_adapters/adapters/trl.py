@@ -41,22 +41,7 @@ whole generation batch, one group of 8. Either way row b's statistics are functi
 expected gradient is unchanged (tests/core/test_batch_exactness.py; the trainer identity with the stored statistics:
 tests/trl/test_statistics.py).
 
-The statistics are fitted to the gradient TRL takes, task + KL (kl_adapters.reductions), with, wherever they are
-computed (loss time, rollout time, ``full``):
-  * ``TaskAdvantages(inputs["advantages"], beta, normalized)`` (`task_advantages`): TRL's advantages as its loss uses
-    them, beta the GRPOConfig beta (the policy loss's per-token weight is beta c - A before the normaliser D the KL
-    term shares), normalized unless scale_rewards = "none" under multi_objective_aggregation "sum_then_normalize";
-    None for "normalize_then_sum" over several reward functions (no single shift and scale removes a row's own rewards
-    from the other rows' advantages there); the rows' prompt ids as ``group`` (GRPO normalises per prompt);
-  * ``EndOfSequence(pi(EOS | y_<t), y_t is EOS, max_completion_length)`` (`end_of_sequence`), the termination control
-    variate's input, over every id TRL stops at (`eos_token_ids`). pi(EOS) is read from the policy forward TRL runs
-    anyway: a forward hook on the backbone (transformers' ``base_model``, which TRL's forward runs in every release:
-    1.14.x's full logits, 1.15+'s fused LM head, `full`'s hidden-state path) takes the last hidden state h and
-    computes log pi(EOS) = logsumexp_e(h W_e / T) - h W_y / T + log pi(y), with W_e the EOS ids' rows of the output
-    projection, W_y the sampled token's row and log pi(y) TRL's own log-prob (`recording`, `_eos_gap`): no second
-    forward, nothing of size [B, T, V]. At loss time it is the current policy's (exactness needs it); at rollout, the
-    forward that produced old_per_token_logps (statistics only; none when TRL runs no old-policy forward). A head
-    that is not hidden @ W.T (bias, logit scale, soft-capping) gets no termination term, with a warning.
+Task advantages and end-of-sequence probabilities the statistics are fitted with: `statistics_inputs`.
 
 Metrics: TRL's ``kl`` keeps its meaning (token-mean of k3, times pi/pi_old when use_bias_correction_kl); added beside
 it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t), ``kl_adapters/grad_weight_gap``
@@ -64,18 +49,8 @@ it: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate, sum_t w_{1:t} k3_t), 
 preset's on this batch; 0 means no difference) and ``kl_adapters/is_ess`` (effective sample size of the micro-batch's
 full-sequence importance weights, 1 on-policy, towards 1/B as they degenerate; averaged over the logging window).
 
-KL budget (``KLGRPOConfig(kl_target=<nats>)``, ``--kl_target``, or ``KL_ADAPTERS=<preset>:kl_target=<nats>``;
-kl_adapters.budget): TRL's ``beta`` is the starting value of a controller that sets ``trainer.beta`` once per optimizer
-step so that KL(pi || pi_ref) per completion tracks the target. ``KLBudgetCallback`` holds it: at on_step_end it
-updates beta from the step's mean ``kl_adapters/seq_kl`` (the sums `_log_metrics` already reduces across processes:
-no extra synchronisation, the same beta on every process); the generation and loss wrappers read it
-(`_apply_budget`), so TRL's own code and the statistics see the current beta. Its state is saved in each checkpoint's
-trainer_state.json (``stateful_callbacks``) and restored at on_train_begin by ``train(resume_from_checkpoint=...)``.
-Metrics beside TRL's: ``kl_adapters/beta``, ``kl_adapters/kl_target``. With TRL's default ``beta = 0`` the budget
-starts from ``BUDGET_START_BETA`` (`start_budget`, before TRL decides whether to build its reference model). Refused
-at configuration (`activation.validate`, `check_budget`): no KL term, a target that is not a finite number > 0, a
-preset whose gradient is not the sequence KL's (or ``reward`` off-policy), is_clip; RLOOTrainer (not patched).
-Without kl_target nothing of this runs. Pinned by tests/trl/test_budget.py.
+KL budget (``KLGRPOConfig(kl_target=<nats>)``, ``--kl_target``, ``KL_ADAPTERS=<preset>:kl_target=<nats>``):
+`KLBudgetCallback`. Pinned by tests/trl/test_budget.py.
 
 Activation (tests/trl/test_activation.py): ``kl_preset``, ``--kl_preset`` and ``KL_ADAPTERS`` accept and refuse the
 same values (`field_settings`, `activation.validate`); a refused KL_ADAPTERS stops the import of GRPOTrainer with its
@@ -88,39 +63,10 @@ surrogate, at loss and rollout time alike): lower gradient variance at long comp
 exact bias: ``kl-adapters audit --discount``, and the doctor's report). Refused for presets without that return and
 without kl_preset (silent no-ops). Measured in docs/long_horizon.md. Pinned by tests/trl/test_long_horizon.py.
 
-Preset ``full`` (kl_adapters.full_vocab: exact KL_t over the vocabulary, Rao-Blackwellized): the reference runs in
-the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL's "ref" adapter). With it set:
-  * generation skips TRL's reference log-prob pass (``beta`` is 0 for that call): ``full`` reads the reference's
-    distributions at loss time instead, so the reference runs once per micro-batch either way;
-  * the loss wrapper captures the policy backbone's last hidden state of TRL's own forward (a forward hook for that one
-    call, gradient attached), runs the reference backbone (no gradient) on the same tokens, and adds
-    ``full_kl_surrogate_from_hidden(h, W / temperature, h_ref, W_ref / temperature, completion_ids, mask,
-    beta=beta_seq, old_logp=behaviour_logp, logp=per_token_logps)`` (W the output projection): chunked over tokens,
-    so [B, T, V] logits of neither model are materialised; TRL's own per-token log-probs (with their graph) carry the
-    score part of the gradient, so each chunk's logits are computed once. beta_seq and the behaviour log-probs are
-    those of the other presets; the statistics are leave-one-out over the micro-batch's rows within their prompt
-    groups, with the task advantages and pi(EOS) from the same hidden state (rollout-time statistics would need the
-    exact KL_t of the whole generation batch, i.e. the very reference pass this preset removes from generation).
-  * metrics: ``kl`` = token mean of the (importance-weighted) exact KL_t, ``kl_adapters/seq_kl`` its per-sequence sum.
-  Refused (clear error): kl_is_clip (the estimator applies exact weights), models whose logits are not
-  hidden @ W.T (bias, logit scale, soft-capping), multimodal inputs. Pinned by tests/trl/test_full.py.
+Preset ``full`` (exact KL_t over the vocabulary, reference run in the trainer process): `_full_kl`. Pinned by
+tests/trl/test_full.py.
 
-Releases (versions.TESTED["trl"]: 1.14.0, 1.14.1, 1.14.2, 1.15.0, 1.16.0). The code paths the adapter relies on are
-the same in all of them: ``_compute_loss`` (KL block, loss types and normalisers) is identical line for line,
-``compute_loss``'s signature, the ``inputs`` keys, GRPOConfig's KL fields and defaults (beta 0.0,
-use_bias_correction_kl True, loss_type "dapo") and RLOO's k1-in-reward are unchanged (sdists diffed). What differs:
-  * how TRL computes log-probs: 1.14.x slices full logits (or, with use_liger_kernel, a chunked Liger path,
-    ``_chunked_logps``, reached from compute_loss through ``_forward_redirection``); 1.15.0 adds a fused LM head to the
-    model. The adapter takes the log-probs from ``_get_per_token_logps_and_entropies``'s output (``out[0]`` in every
-    release), so it is indifferent to which; use_liger_kernel is refused in every release (`_check_code_path`).
-  * gradient-accumulation scaling: 1.14.x disables Trainer's scaling with ``compute_loss_func="non-None..."``, 1.15.0
-    with ``loss_is_scaled_for_ga = True``; in both, ``_compute_loss`` divides by the accumulation steps itself, which
-    `per_token_normaliser` reads as ``current_gradient_accumulation_steps`` (unchanged).
-  * 1.15.0 runs its fused LM head through Triton kernels on every device (trl/kernels/chunked_logprob.py imports
-    triton; 1.16.0 falls back to torch without it), so on a CPU-only machine 1.15.0 needs triton installed and
-    TRITON_INTERPRET=1 (how its tests run here: tests/trl/conftest.py); the KL path is the same.
-  * 1.14.0 and 1.14.1 import ``requests`` unconditionally (trl/generation/vllm_client.py) without declaring it: an
-    environment for them needs ``requests`` installed (envs/trl-1.14.0.txt, envs/trl-1.14.1.txt); 1.14.2 fixed it.
+Releases (versions.TESTED["trl"]) and what differs between them: `_check_code_path`.
 """
 
 from __future__ import annotations
@@ -291,7 +237,25 @@ def discount_of(args: GRPOConfig) -> float:
 
 
 def _check_code_path(trainer: GRPOTrainer) -> None:
-    """Refuse configurations the adapter is not tested with (never patch silently wrong)."""
+    """Refuse configurations the adapter is not tested with (never patch silently wrong).
+
+    Releases (versions.TESTED["trl"]: 1.14.0, 1.14.1, 1.14.2, 1.15.0, 1.16.0). The code paths the adapter relies on are
+    the same in all of them: ``_compute_loss`` (KL block, loss types and normalisers) is identical line for line,
+    ``compute_loss``'s signature, the ``inputs`` keys, GRPOConfig's KL fields and defaults (beta 0.0,
+    use_bias_correction_kl True, loss_type "dapo") and RLOO's k1-in-reward are unchanged (sdists diffed). What differs:
+      * how TRL computes log-probs: 1.14.x slices full logits (or, with use_liger_kernel, a chunked Liger path,
+        ``_chunked_logps``, reached from compute_loss through ``_forward_redirection``); 1.15.0 adds a fused LM head to the
+        model. The adapter takes the log-probs from ``_get_per_token_logps_and_entropies``'s output (``out[0]`` in every
+        release), so it is indifferent to which; use_liger_kernel is refused in every release (here).
+      * gradient-accumulation scaling: 1.14.x disables Trainer's scaling with ``compute_loss_func="non-None..."``, 1.15.0
+        with ``loss_is_scaled_for_ga = True``; in both, ``_compute_loss`` divides by the accumulation steps itself, which
+        `per_token_normaliser` reads as ``current_gradient_accumulation_steps`` (unchanged).
+      * 1.15.0 runs its fused LM head through Triton kernels on every device (trl/kernels/chunked_logprob.py imports
+        triton; 1.16.0 falls back to torch without it), so on a CPU-only machine 1.15.0 needs triton installed and
+        TRITON_INTERPRET=1 (how its tests run here: tests/trl/conftest.py); the KL path is the same.
+      * 1.14.0 and 1.14.1 import ``requests`` unconditionally (trl/generation/vllm_client.py) without declaring it: an
+        environment for them needs ``requests`` installed (envs/trl-1.14.0.txt, envs/trl-1.14.1.txt); 1.14.2 fixed it.
+    """
     if trainer.args.use_liger_kernel and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise UnsupportedFrameworkError(
             "kl-adapters is not tested with use_liger_kernel=True (Liger needs a GPU; in trl >= 1.15 it only swaps layer "
@@ -574,7 +538,25 @@ def statistics_inputs(trainer: GRPOTrainer, preset: str, inputs: dict, beta: flo
     """The keyword arguments of kl_term / full_kl_surrogate_from_hidden that shape the preset's statistics at loss
     time: the rows' rollout statistics (`statistics_of`) with this forward's eos, or, none stored, TRL's task
     advantages, the rows' prompt groups (GROUP_KEY; a batch without it is one group) and eos for leave-one-out
-    over the micro-batch; {} for a preset without statistics."""
+    over the micro-batch; {} for a preset without statistics.
+
+    The statistics are fitted to the gradient TRL takes, task + KL (kl_adapters.reductions), with, wherever they are
+    computed (loss time, rollout time, ``full``):
+      * ``TaskAdvantages(inputs["advantages"], beta, normalized)`` (`task_advantages`): TRL's advantages as its loss uses
+        them, beta the GRPOConfig beta (the policy loss's per-token weight is beta c - A before the normaliser D the KL
+        term shares), normalized unless scale_rewards = "none" under multi_objective_aggregation "sum_then_normalize";
+        None for "normalize_then_sum" over several reward functions (no single shift and scale removes a row's own rewards
+        from the other rows' advantages there); the rows' prompt ids as ``group`` (GRPO normalises per prompt);
+      * ``EndOfSequence(pi(EOS | y_<t), y_t is EOS, max_completion_length)`` (`end_of_sequence`), the termination control
+        variate's input, over every id TRL stops at (`eos_token_ids`). pi(EOS) is read from the policy forward TRL runs
+        anyway: a forward hook on the backbone (transformers' ``base_model``, which TRL's forward runs in every release:
+        1.14.x's full logits, 1.15+'s fused LM head, `full`'s hidden-state path) takes the last hidden state h and
+        computes log pi(EOS) = logsumexp_e(h W_e / T) - h W_y / T + log pi(y), with W_e the EOS ids' rows of the output
+        projection, W_y the sampled token's row and log pi(y) TRL's own log-prob (`recording`, `_eos_gap`): no second
+        forward, nothing of size [B, T, V]. At loss time it is the current policy's (exactness needs it); at rollout, the
+        forward that produced old_per_token_logps (statistics only; none when TRL runs no old-policy forward). A head
+        that is not hidden @ W.T (bias, logit scale, soft-capping) gets no termination term, with a warning.
+    """
     spec = get_preset(preset)
     if not spec.uses_batch_statistics:
         return {}
@@ -680,9 +662,27 @@ def _reference_hidden(trainer: GRPOTrainer, input_ids, attention_mask) -> tuple[
 
 def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Tensor, logp: torch.Tensor, behaviour,
              beta_seq, mask, options: dict) -> torch.Tensor:
-    """beta_seq * full_kl_surrogate_from_hidden on this micro-batch (module docstring, preset `full`); logs metrics.
+    """beta_seq * full_kl_surrogate_from_hidden on this micro-batch (preset `full`, below); logs metrics.
     logp: TRL's own log-probs of the completion (with their graph): one pass over the vocabulary chunks, the score
-    part of the gradient through them; options: `statistics_inputs` (task advantages, groups, eos)."""
+    part of the gradient through them; options: `statistics_inputs` (task advantages, groups, eos).
+
+    Preset ``full`` (kl_adapters.full_vocab: exact KL_t over the vocabulary, Rao-Blackwellized): the reference runs in
+    the trainer process (``ref_model``, or with PEFT the adapter-disabled base / TRL's "ref" adapter). With it set:
+      * generation skips TRL's reference log-prob pass (``beta`` is 0 for that call): ``full`` reads the reference's
+        distributions at loss time instead, so the reference runs once per micro-batch either way;
+      * the loss wrapper captures the policy backbone's last hidden state of TRL's own forward (a forward hook for that one
+        call, gradient attached), runs the reference backbone (no gradient) on the same tokens, and adds
+        ``full_kl_surrogate_from_hidden(h, W / temperature, h_ref, W_ref / temperature, completion_ids, mask,
+        beta=beta_seq, old_logp=behaviour_logp, logp=per_token_logps)`` (W the output projection): chunked over tokens,
+        so [B, T, V] logits of neither model are materialised; TRL's own per-token log-probs (with their graph) carry the
+        score part of the gradient, so each chunk's logits are computed once. beta_seq and the behaviour log-probs are
+        those of the other presets; the statistics are leave-one-out over the micro-batch's rows within their prompt
+        groups, with the task advantages and pi(EOS) from the same hidden state (rollout-time statistics would need the
+        exact KL_t of the whole generation batch, i.e. the very reference pass this preset removes from generation).
+      * metrics: ``kl`` = token mean of the (importance-weighted) exact KL_t, ``kl_adapters/seq_kl`` its per-sequence sum.
+      Refused (clear error): kl_is_clip (the estimator applies exact weights), models whose logits are not
+      hidden @ W.T (bias, logit scale, soft-capping), multimodal inputs. Pinned by tests/trl/test_full.py.
+    """
     if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
         raise UnsupportedFrameworkError("kl_preset='full' supports text-only models (multimodal inputs are not tested)")
     completion = inputs["completion_ids"]
@@ -777,7 +777,21 @@ class KLBudgetCallback(TrainerCallback, ExportableState):
     sums `_log_metrics` already reduces across processes, so every process computes the same beta); stored in each
     checkpoint's trainer_state.json (TrainerState.stateful_callbacks, where transformers keeps callback state) and
     restored from it at on_train_begin, which train(resume_from_checkpoint=...) reaches with the checkpoint's state.
-    The trainer reads beta from it at each generation and loss call (`_apply_budget`)."""
+    The trainer reads beta from it at each generation and loss call (`_apply_budget`).
+
+    KL budget (``KLGRPOConfig(kl_target=<nats>)``, ``--kl_target``, or ``KL_ADAPTERS=<preset>:kl_target=<nats>``;
+    kl_adapters.budget): TRL's ``beta`` is the starting value of a controller that sets ``trainer.beta`` once per optimizer
+    step so that KL(pi || pi_ref) per completion tracks the target. ``KLBudgetCallback`` holds it: at on_step_end it
+    updates beta from the step's mean ``kl_adapters/seq_kl`` (the sums `_log_metrics` already reduces across processes:
+    no extra synchronisation, the same beta on every process); the generation and loss wrappers read it
+    (`_apply_budget`), so TRL's own code and the statistics see the current beta. Its state is saved in each checkpoint's
+    trainer_state.json (``stateful_callbacks``) and restored at on_train_begin by ``train(resume_from_checkpoint=...)``.
+    Metrics beside TRL's: ``kl_adapters/beta``, ``kl_adapters/kl_target``. With TRL's default ``beta = 0`` the budget
+    starts from ``BUDGET_START_BETA`` (`start_budget`, before TRL decides whether to build its reference model). Refused
+    at configuration (`activation.validate`, `check_budget`): no KL term, a target that is not a finite number > 0, a
+    preset whose gradient is not the sequence KL's (or ``reward`` off-policy), is_clip; RLOOTrainer (not patched).
+    Without kl_target nothing of this runs. Pinned by tests/trl/test_budget.py.
+    """
 
     def __init__(self, target: float, beta: float, rule: str = DEFAULT_RULE):
         self.budget = KLBudget(target, beta, rule)

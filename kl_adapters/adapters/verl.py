@@ -951,8 +951,8 @@ def advantage_scaling(adv_estimator, norm_adv_by_std_in_grpo: bool = True) -> st
     """How verl's advantage estimator scales the advantages: "shifted" for the ones that only subtract a mean over rows
     that include the row (`_SHIFT_ONLY`, and grpo with norm_adv_by_std_in_grpo=False), "normalized" for every other
     (GRPO's group std, GAE / REINFORCE++ whitening, and any estimator not known to be shift-only: normalized keeps the
-    gradient exact for any advantages, but fits shift-only ones at unit scale, measured 3-5x worse than plain on the
-    demo). Pinned by tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation."""
+    gradient exact for any advantages, but fits shift-only ones at unit scale, measured worse than plain on the
+    demo: docs/history.md). Pinned by tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation."""
     estimator = getattr(adv_estimator, "value", adv_estimator)
     shifted = estimator in _SHIFT_ONLY or (estimator == "grpo" and not norm_adv_by_std_in_grpo)
     return "shifted" if shifted else "normalized"

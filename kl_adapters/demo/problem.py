@@ -90,8 +90,8 @@ class ToyProblem:
         """r(y) ~ U(0, 1) per sequence (fixed by reward_seed), except r(empty completion) = 0.
 
         The empty completion is the likeliest sequence under the initial policy; with a high random reward it would
-        hold most of pi*'s mass and attract every run early, dropping whole branches of the tree (measured: the exact
-        gradient of J then stalls at KL(pi||pi*) ~ 0.06 on 63 sequences) -- a property of that draw, not of any KL
+        hold most of pi*'s mass and attract every run early, dropping whole branches of the tree (the exact gradient
+        of J then stalls: docs/history.md) -- a property of that draw, not of any KL
         estimator. "Say something" removes that attractor.
         """
         gen = torch.Generator().manual_seed(self.reward_seed)
@@ -113,8 +113,8 @@ class ToyProblem:
         """A tiny random GPT-2 over this vocabulary (pad = eos = 0), dropout off.
 
         GPT-2, not Llama: with rotary positions only, attention over a run of identical tokens averages identical
-        values, so a Llama cannot tell the prefix "a a" from "a a a" and cannot represent pi* here (measured: fitting
-        pi* directly stalls at KL 0.046 on 15 sequences); learned absolute positions can.
+        values, so a Llama cannot tell the prefix "a a" from "a a a" and cannot represent pi* here (fitting pi*
+        directly stalls: docs/history.md); learned absolute positions can.
         """
         return tiny_gpt2(len(self.chars) + 1, 16, seed, hidden)
 

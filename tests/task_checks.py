@@ -42,6 +42,7 @@ def run_task_benchmark(framework: str, configs: list[str], out: Path, cache: Pat
     for config, run in runs.items():
         assert "error" not in run, f"{config}: {run['error']}"
         assert [row["step"] for row in run["history"]] == [0, 3, 4] and run["finite"]
+        assert "kl_adapters_source" in run["environment"]  # each run records the code it ran
         assert all(math.isfinite(v) for row in run["history"] for split in ("id", "ood") for v in row[split].values())
         assert [s["staleness"] for s in run["steps"]] == [0, 1, 0, 1]
         assert all(math.isfinite(v) for s in run["steps"] for v in s.values())

@@ -83,6 +83,9 @@ def test_smoke_run_of_the_benchmark(smoke_reference, tmp_path, setting):
     runs = [json.loads(line) for line in (tmp_path / f"task_{setting}_trl.jsonl").read_text().splitlines()]
     assert [r["config"] for r in runs] == configs.split(",")
     assert all("error" not in r and r["finite"] and len(r["history"]) == 2 for r in runs)
+    assert all("kl_adapters_source" in r["environment"] for r in runs)  # each run records the code it ran
+    summary = json.loads((tmp_path / f"task_{setting}_trl.json").read_text())
+    assert summary["run_environments"] == [runs[0]["environment"]] and "report_environment" in summary
     by_config = {r["config"]: r for r in runs}
     assert "kl_adapters/seq_kl" in by_config["sequence"]["trl"][-1]
     assert "kl_adapters/beta" in by_config["sequence+kl_target=0.5"]["trl"][-1]

@@ -190,11 +190,12 @@ def _markdown_versus(test: dict, config: str) -> str:
 def lag_table(summaries: dict[int, dict[str, dict]], title: str) -> str:
     """The lag study: one row per (configuration, lag) with the in-domain and out-of-domain score, the KL, collapses,
     spikes and the mean importance-weight ESS of the training batches (kl-adapters presets only)."""
-    head = (f"{'configuration':<16} {'lag':>3}  {'in-domain %':>13}  {'out-of-domain %':>15}  {'KL(pi||ref)':>12}  "
-            f"{'collapses':>9}  {'spikes':>6}  {'is_ess':>6}")
-    lines = [title, head, "-" * len(head)]
     configs = [c for c in dict.fromkeys(c for rows in summaries.values() for c in rows)
                if sum(c in rows for rows in summaries.values()) > 1]  # the configurations run at several lags
+    w = max([16, *map(len, configs)])
+    head = (f"{'configuration':<{w}} {'lag':>3}  {'in-domain %':>13}  {'out-of-domain %':>15}  {'KL(pi||ref)':>12}  "
+            f"{'collapses':>9}  {'spikes':>6}  {'is_ess':>6}")
+    lines = [title, head, "-" * len(head)]
     for config in configs:
         for lag, rows in sorted(summaries.items()):
             row = rows.get(config)
@@ -202,7 +203,7 @@ def lag_table(summaries: dict[int, dict[str, dict]], title: str) -> str:
                 continue
             n = len(row["seeds"]) + len(row["failed_seeds"])
             ess = f"{row['is_ess']['mean']:.3f}" if "is_ess" in row else "--"
-            lines.append(f"{config:<16} {lag:>3}  {_cell(row['id'], 100):>13}  {_cell(row['ood'], 100):>15}  "
+            lines.append(f"{config:<{w}} {lag:>3}  {_cell(row['id'], 100):>13}  {_cell(row['ood'], 100):>15}  "
                          f"{_cell(row['kl'], 1, 2):>12}  {int(sum(row['collapse']['per_seed'])) + len(row['failed_seeds']):>5} / {n}  "
                          f"{statistics.fmean(row['spikes']['per_seed']):>6.1f}  {ess:>6}")
     return "\n".join(lines)

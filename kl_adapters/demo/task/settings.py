@@ -45,7 +45,7 @@ SHORT_ONLY = (("short", "id", 0.7), ("short", "ood", 0.3))
 
 SCALES: dict[str, Scale] = {
     "cpu": Scale(ReferenceSpec(), RLSettings()),
-    "quick": Scale(ReferenceSpec(steps=1500, threads=2, mixture=SHORT_ONLY), RLSettings(steps=100, eval_prompts=256)),
+    "quick": Scale(ReferenceSpec(steps=3000, threads=2, mixture=SHORT_ONLY), RLSettings(steps=100, eval_prompts=256)),
     "smoke": Scale(ReferenceSpec(hidden=32, layers=2, steps=40, batch=32), RLSettings(steps=3, prompts_per_step=2,
                    group=4, eval_every=3, eval_prompts=16), ProxySpec(samples=64, hidden=16, layers=1, steps=5)),
     "gpu": Scale(ReferenceSpec(hidden=256, layers=6, heads=8, steps=20_000, batch=256, learning_rate=1e-3, threads=8),

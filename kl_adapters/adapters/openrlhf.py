@@ -1,100 +1,36 @@
 """OpenRLHF adapter (OpenRLHF 0.10.4-0.11.2): exact-gradient KL in the actor loss and the reward, in its Ray actors.
 
-Flag (OpenRLHF's ``--algo.kl.*`` idiom): ``--algo.kl.preset <preset>[:is_clip=<c>]`` on
-``python -m kl_adapters.adapters.openrlhf_cli`` (OpenRLHF's ``train_ppo_ray`` plus that one flag, see openrlhf_cli.py),
-or ``KL_ADAPTERS=<preset>`` with OpenRLHF's own ``python -m openrlhf.cli.train_ppo_ray``. Either way the driver's
-``args.algo.kl.preset`` becomes a `PresetFlag`; OpenRLHF pickles its args into every training actor (PPOTrainer /
-TrainingActor, PolicyModelActor, ...), and unpickling the flag activates kl-adapters in that process. Unset:
-OpenRLHF runs its own code, bit for bit (the patched functions call the originals).
+Flag: ``--algo.kl.preset <preset>[:is_clip=<c>]`` on ``python -m kl_adapters.adapters.openrlhf_cli`` (OpenRLHF's
+``train_ppo_ray`` plus that one flag), or ``KL_ADAPTERS=<preset>`` with OpenRLHF's own ``train_ppo_ray``; the driver's
+``args.algo.kl.preset`` becomes a `PresetFlag`, whose unpickling activates kl-adapters in every training actor. Unset:
+OpenRLHF runs its own code, bit for bit (the patched functions call the originals). Refusals: `check_args`; releases
+and what differs between them: `patch`.
 
-Loss path (``--algo.kl.use_loss``), in PolicyModelActor, two patches (three hops: flag -> training_step ->
-compute_approx_kl):
-    ``ActorPPOTrainer.training_step`` is wrapped (not copied): it makes the optimizer-step normalisers and the batch
-    available to the KL computation, then runs OpenRLHF's own training_step. Inside it, OpenRLHF calls
-    ``compute_approx_kl`` through ppo_actor.py's own binding (``from openrlhf.models.utils import ...``: patching
-    openrlhf.models.utils alone is never called), which is replaced: the value stays OpenRLHF's estimator (its ``kl``
-    metric), the gradient becomes the preset's. OpenRLHF then adds ``aggregate_loss(kl) * kl_ctl``; the tensor
-    returned is built so that this adds, per micro-batch, a gradient of
+What is patched, at the narrowest points (`patch`; wrappers, no copied code):
+    loss path (PolicyModelActor): ``ActorPPOTrainer.training_step`` (`_wrap_training_step`: hands the KL the batch
+        and the optimizer step's normalisers) and ppo_actor.py's binding of ``compute_approx_kl`` (`_wrap_loss_kl`:
+        value OpenRLHF's, gradient the preset's)
+    rollout statistics (PPOTrainer / TrainingActor): ``RemoteExperienceMaker.compute_advantages_and_returns``
+        (`_wrap_compute_advantages`: fits them once OpenRLHF has made the advantages)
+    reward path (PPOTrainer / TrainingActor): ``RemoteExperienceMaker.make_experience`` (`_wrap_make_experience`) and
+        experience_maker.py's binding of ``compute_approx_kl`` (`_wrap_reward_kl`: unclamped k1)
+    pi(EOS | y_<t): ``Actor.forward`` and actor.py's binding of ``log_probs_from_logits`` (`_wrap_actor_forward`,
+        `_wrap_log_probs_from_logits`): read from the policy forward OpenRLHF already runs
+    KL budget: ``BasePPOTrainer.train_step``, ``save_logs_and_checkpoints``, ``init_checkpoint_states``
+        (`_wrap_train_step`); driver: ``openrlhf.utils.config.hierarchize`` (`_wrap_hierarchize`)
 
-        beta * dp_size * B_micro / global_batch_size * grad kl_surrogate(logp, ref_logp, mask, preset, old_logp)
+Math. Loss path (`_loss_term`): OpenRLHF adds ``aggregate_loss(kl) * kl_ctl``; the returned term makes one optimizer
+step's gradient beta * (1/N_seq) * sum over its N_seq sequences of grad kl_surrogate(logp, ref_logp, mask, preset,
+old_logp), beta = kl_ctl, old_logp = ``experience.action_log_probs``: the KL aggregated per sequence. Reward path
+(`_wrap_make_experience`): k1 in the reward and returns with gamma = 1 give the PPO gradient at the rollout policy
+beta * (B / N_tok) * grad kl_surrogate(preset, statistics=the rows', eos=the rollout policy's). The reduced presets'
+statistics are leave-one-out over the whole rollout (exact), fitted with OpenRLHF's advantages (`_loss_task`) or
+scores (`_reward_task`) and the rollout forward's pi(EOS). Metrics: `_log_loss_metrics`.
 
-    with beta = kl_ctl (``--algo.kl.init_coef`` or the adaptive value) and global_batch_size OpenRLHF's count of
-    non-empty sequences in the optimizer step over all dp ranks, divided by gradient accumulation. After DeepSpeed's
-    1/gas and dp averaging, one optimizer step's gradient is beta * (1/N_seq) * sum over its N_seq sequences of the
-    per-sequence preset term: the KL is aggregated per sequence, not as OpenRLHF's global token mean.
-    old_logp is ``experience.action_log_probs``, the rollout-time policy recomputed by the trainer (what PPO's ratio
-    uses), so later micro-batches and epochs are importance-weighted exactly (preset "sequence"). The reduced presets'
-    statistics are the rows' rollout-wide ones (openrlhf_statistics.py): ``compute_advantages_and_returns``
-    (PPOTrainer's RemoteExperienceMaker) is wrapped so that, once OpenRLHF has made the advantages, the statistics are
-    fitted on the whole rollout with them (`_loss_task`) and with the rollout forward's pi(EOS | y_<t) (below), and
-    stored in each row's info; OpenRLHF's replay buffer carries them into the micro-batches, and training_step hands
-    them to kl_term (``statistics=``) with the EndOfSequence of its own forward (the current policy). Experiences not
-    made by a patched experience maker carry none: kl_term then fits them on the micro-batch itself, to the KL term
-    alone (still exact, noisier). Pinned by tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate
-    and test_reward_path.py::test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages.
-
-Reward path (default), in the PPOTrainer / TrainingActor (presets "reward" and "reward-plain"):
-    ``RemoteExperienceMaker.make_experience`` is wrapped to hand each sample batch's action mask to
-    experience_maker.py's binding of ``compute_approx_kl``, which returns k1_t = log pi_old/pi_ref from ``kl_reward``
-    (unclamped; OpenRLHF clamps every estimator to [-10, 10]). OpenRLHF's compute_reward makes it the per-token reward
-    -kl_coef * k1_t and its returns (gamma = 1) the KL reward-to-go: preset "reward-plain". Preset "reward" then
-    replaces each experience's per-token KL by increments d_t whose reward-to-go is the reduced coefficient c_t with
-    the rollout-wide statistics, fitted with the scores (`_reward_task`) and the rollout forward's pi(EOS | y_<t)
-    (`_reduce_reward_kl`). Either way the PPO gradient at the rollout policy is beta * (B / N_tok) *
-    grad kl_surrogate(preset, statistics=the rows', eos=the rollout policy's), N_tok being OpenRLHF's token-mean
-    divisor. Pinned by tests/openrlhf/test_reward_path.py::test_reward_path_gradient_is_reward_preset.
-
-pi(EOS | y_<t), for the reduced presets' termination control variate, comes from the policy forward OpenRLHF already
-runs, without a second pass: ``Actor.forward`` and actor.py's binding of ``log_probs_from_logits`` are wrapped (in the
-PolicyModelActor's process: patched with ppo_actor); from the logits it was given and the log-probs it returned,
-log pi(EOS) = logsumexp(z_EOS) - (z_y - log pi(y)) (openrlhf_statistics.eos_probabilities: two gathers), at the
-rollout temperature, the EOS ids being the model's generation config's and config's. In the training step the
-probabilities go to the loss (the current policy's, for its rows' own control variate). In PolicyModelActor.forward at
-rollout time (an inference forward) they ride on the returned log-probs (openrlhf_statistics.LogProbsWithEos, a tensor
-subclass that survives its ``.to("cpu")`` and Ray) to the experience maker, which takes them off before OpenRLHF sees
-its experiences (`_take_eos`). Pinned by tests/openrlhf/test_eos.py and test_ray.py.
-
-Metrics: OpenRLHF's ``kl`` and ``logprobs_diff`` keep their meaning and values. Added beside them:
-    kl_adapters/seq_kl          per-sequence KL estimate sum_t w_{1:t} k3_t (`sequence_kl`), averaged over samples
-    kl_adapters/grad_weight_gap (loss path) sum |c_native - c_preset| / sum |c_preset| over the micro-batch's tokens,
-                                c being the per-token gradient weights (`kl_coefficients`) of OpenRLHF's own KL loss
-                                (``--algo.kl.estimator`` kN as preset "kN-loss") and of the preset, before
-                                aggregation: the live bias signal (as in the TRL and verl adapters); 0 when OpenRLHF's
-                                KL gradient would be the preset's token for token.
-    kl_adapters/is_ess          (loss path) effective sample size of the micro-batch's per-decision importance weights
-                                (`KLTerm.is_ess`: 1 on-policy, towards 1/B as they degenerate), logged per batch.
-
-Settings that would make the flag silently wrong or a no-op raise ValueError (`check_args`); code paths the CPU tests
-cannot run (packing, ring attention, DeepSpeed tensor parallelism) raise UnsupportedFrameworkError unless
-KL_ADAPTERS_ALLOW_UNTESTED=1. Other OpenRLHF versions are refused by the version guard (versions.TESTED).
-
-Releases (their KL code diffed, not only tested): what differs and where it is handled.
-    0.11.1 -> 0.11.2  compute_approx_kl clamps log_ratio at -10 before k3's exp (the value OpenRLHF logs; our gradient
-                      never goes through it); --actor.loss_agg_mode is new (`_check_reward_path` reads it with the
-                      0.11.1 meaning, token-mean, as default); PolicyLoss returns 5 values (training_step is wrapped,
-                      not copied, so its arity does not matter); the reward path promotes rewards to float32 and gains
-                      flash_reinforce (the KL reward is float32 already; compute_reward and the returns are unchanged).
-    0.11.0 -> 0.11.1  compute_approx_kl gains log_probs_old and unbiased_gradient, and training_step passes them;
-                      --algo.kl.unbiased_gradient is new. `_wrap_loss_kl` forwards the release's own call and takes
-                      old_logp from the experience on every release; `check_args` reads the flag only where it exists.
-    0.11.0 -> 0.11.1  also: Actor.forward divides the logits by the temperature before log_probs_from_logits, which
-                      0.10.4 / 0.11.0 do inside it; `_wrap_log_probs_from_logits` reads the logits after its call, so
-                      pi(EOS) is at the rollout temperature on every release.
-    0.10.4 -> 0.11.0  no change to compute_approx_kl, compute_reward, the returns, training_step's KL, aggregate_loss
-                      or the replay buffer (the diffs: z3 leaf modules, masked_normalize's keepdim, a dead GSPO line).
-    0.10.3 and older  refused even with KL_ADAPTERS_ALLOW_UNTESTED=1 (`_refuse_incompatible`): training_step takes no
-                      loss_batch_info and normalises each micro-batch by its own token count (0.10.4 introduced the
-                      optimizer-step normalisers, loss_utils.iter_grad_accum_global_norm), so `_loss_term`'s scale
-                      would be wrong.
-
-KL budget (``--algo.kl.seq_target <nats>`` or ``--algo.kl.preset <preset>:kl_target=<nats>``, kl_adapters.budget;
-refused at parsing by `_check_budget`): one controller in the single controller (BasePPOTrainer), updated once per
-rollout (`_wrap_train_step`): OpenRLHF's fixed KL controller holds its beta, which train_step passes to every actor's
-fit as kl_ctl (loss path) and the experience maker applies (reward path); afterwards it takes the step's
-kl_adapters/seq_kl, which ppo_train already averaged and all-reduced over the data-parallel ranks (no added
-synchronisation). State: a key of OpenRLHF's checkpoint client_states (`_wrap_save`, restored by
-`_wrap_init_checkpoint_states`). Metrics ``kl_adapters/beta``, ``kl_adapters/kl_target``. Pinned by
-tests/openrlhf/test_budget.py.
+Pinned by tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate,
+tests/openrlhf/test_reward_path.py (::test_reward_path_gradient_is_reward_preset,
+::test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages), tests/openrlhf/test_eos.py,
+tests/openrlhf/test_ray.py and tests/openrlhf/test_budget.py.
 """
 
 from __future__ import annotations
@@ -140,7 +76,10 @@ _ACTOR = "openrlhf.models.actor"
 class PresetFlag(str):
     """The value of ``args.algo.kl.preset``: a plain string to OpenRLHF (logs, wandb, JSON) that carries activation.
 
-    OpenRLHF pickles its args (inside the strategy) into every Ray training actor, on every node; unpickling a
+    Set by the launcher's ``--algo.kl.preset`` (``python -m kl_adapters.adapters.openrlhf_cli``: OpenRLHF's
+    ``train_ppo_ray`` plus that one flag, see openrlhf_cli.py) or from ``KL_ADAPTERS`` with OpenRLHF's own
+    ``python -m openrlhf.cli.train_ppo_ray`` (`_wrap_hierarchize`). OpenRLHF pickles its args (inside the strategy)
+    into every Ray training actor (PPOTrainer / TrainingActor, PolicyModelActor, ...), on every node; unpickling a
     PresetFlag calls ``kl_adapters.enable`` in that process, which patches OpenRLHF there. No Ray hook or environment
     variable has to reach the workers. Pinned by tests/openrlhf/test_ray.py::test_flag_activates_real_policy_actor.
     """
@@ -159,8 +98,9 @@ def _receive_flag(value: str) -> PresetFlag:
 def check_args(args: Any, settings: Settings) -> None:
     """Refuse OpenRLHF arguments with which ``--algo.kl.preset`` would be silently wrong or a no-op.
 
-    ValueError for conflicts; UnsupportedFrameworkError for code paths the tests do not run (unless
-    KL_ADAPTERS_ALLOW_UNTESTED=1, which warns instead).
+    ValueError for conflicts; UnsupportedFrameworkError for code paths the CPU tests cannot run (packing, ring
+    attention, DeepSpeed tensor parallelism) unless KL_ADAPTERS_ALLOW_UNTESTED=1, which warns instead. Other OpenRLHF
+    versions are refused by the version guard (versions.TESTED, `patch`).
     """
     kl, flag = args.algo.kl, f"{FLAG} {settings}"
     if get_preset(settings.preset).needs_full_logits:
@@ -241,6 +181,29 @@ _loss_step: contextvars.ContextVar[_LossStep | None] = contextvars.ContextVar("k
 
 
 def _wrap_training_step(original: Callable) -> Callable:
+    """Wrap (not copy) ActorPPOTrainer.training_step, in PolicyModelActor: loss path (``--algo.kl.use_loss``), two
+    patches (three hops: flag -> training_step -> compute_approx_kl).
+
+    The wrapper makes the optimizer-step normalisers and the batch available to the KL computation, then runs
+    OpenRLHF's own training_step. Inside it, OpenRLHF calls ``compute_approx_kl`` through ppo_actor.py's own binding,
+    which `_wrap_loss_kl` replaces. OpenRLHF then adds ``aggregate_loss(kl) * kl_ctl``; the tensor returned
+    (`_loss_term`) is built so that this adds, per micro-batch, a gradient of
+
+        beta * dp_size * B_micro / global_batch_size * grad kl_surrogate(logp, ref_logp, mask, preset, old_logp)
+
+    with beta = kl_ctl (``--algo.kl.init_coef`` or the adaptive value) and global_batch_size OpenRLHF's count of
+    non-empty sequences in the optimizer step over all dp ranks, divided by gradient accumulation. After DeepSpeed's
+    1/gas and dp averaging, one optimizer step's gradient is beta * (1/N_seq) * sum over its N_seq sequences of the
+    per-sequence preset term: the KL is aggregated per sequence, not as OpenRLHF's global token mean.
+    old_logp is ``experience.action_log_probs``, the rollout-time policy recomputed by the trainer (what PPO's ratio
+    uses), so later micro-batches and epochs are importance-weighted exactly (preset "sequence"). The reduced presets'
+    statistics are the rows' rollout-wide ones (openrlhf_statistics.py, `_wrap_compute_advantages`); OpenRLHF's
+    replay buffer carries them into the micro-batches, and training_step hands them to kl_term (``statistics=``) with
+    the EndOfSequence of its own forward (the current policy). Experiences not made by a patched experience maker carry
+    none: kl_term then fits them on the micro-batch itself, to the KL term alone (still exact, noisier). Pinned by
+    tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate and
+    test_reward_path.py::test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages."""
+
     @functools.wraps(original)
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         settings = _settings(self.args)
@@ -262,6 +225,9 @@ def _wrap_training_step(original: Callable) -> Callable:
 
 
 def _wrap_loss_kl(original: Callable) -> Callable:
+    """Replace ppo_actor.py's binding of compute_approx_kl (``from openrlhf.models.utils import ...``: patching
+    openrlhf.models.utils alone is never called), inside a loss step (`_wrap_training_step`): the value stays
+    OpenRLHF's estimator (its ``kl`` metric), the gradient becomes the preset's (`_loss_term`)."""
     # Signature by release: 0.10.4 / 0.11.0 (log_probs, log_probs_base, kl_estimator); 0.11.1+ adds log_probs_old and
     # unbiased_gradient (PR #1309). Calls are forwarded as made and read through the release's own signature.
     signature = inspect.signature(original)
@@ -304,7 +270,7 @@ def _loss_term(step: _LossStep, kl: KLTerm) -> Tensor:
     OpenRLHF computes kl_loss = aggregate_loss(kl) = sum(kl * mask) / batch_num_tokens * dp_size and adds
     kl_loss * kl_ctl (ppo_actor.py:331-338). Spreading s = kl_surrogate(...) * B * batch_num_tokens / global_batch_size
     evenly over the micro-batch's real tokens makes that gradient kl_ctl * dp_size * B / global_batch_size * grad
-    kl_surrogate, i.e. beta / N_seq per sequence of the optimizer step (see the module docstring). The value is
+    kl_surrogate, i.e. beta / N_seq per sequence of the optimizer step (see `_wrap_training_step`). The value is
     s - s.detach() = 0 exactly, so OpenRLHF's ``kl`` metric is unchanged.
     """
     info = step.loss_batch_info
@@ -319,6 +285,18 @@ def _loss_term(step: _LossStep, kl: KLTerm) -> Tensor:
 
 
 def _log_loss_metrics(step: _LossStep, kl: KLTerm, estimator: str) -> None:
+    """The loss path's metrics, in the experience's info (OpenRLHF's status). OpenRLHF's ``kl`` and ``logprobs_diff``
+    keep their meaning and values. Added beside them:
+        kl_adapters/seq_kl          per-sequence KL estimate sum_t w_{1:t} k3_t (`sequence_kl`), averaged over samples
+                                    (the reward path's: `_wrap_reward_kl`)
+        kl_adapters/grad_weight_gap (loss path) sum |c_native - c_preset| / sum |c_preset| over the micro-batch's
+                                    tokens, c being the per-token gradient weights (`kl_coefficients`) of OpenRLHF's
+                                    own KL loss (``--algo.kl.estimator`` kN as preset "kN-loss") and of the preset,
+                                    before aggregation: the live bias signal (as in the TRL and verl adapters); 0 when
+                                    OpenRLHF's KL gradient would be the preset's token for token.
+        kl_adapters/is_ess          (loss path) effective sample size of the micro-batch's per-decision importance
+                                    weights (`KLTerm.is_ess`: 1 on-policy, towards 1/B as they degenerate), logged per
+                                    batch."""
     info = step.experience.info
     info[SEQ_KL] = kl.sequence_kl
     info[IS_ESS] = kl.is_ess
@@ -353,6 +331,18 @@ def _wants_eos(step: _LossStep | None) -> bool:
 
 
 def _wrap_actor_forward(original: Callable) -> Callable:
+    """Wrap Actor.forward (in the PolicyModelActor's process: patched with ppo_actor) for pi(EOS | y_<t), the reduced
+    presets' termination control variate, from the policy forward OpenRLHF already runs, without a second pass.
+
+    With actor.py's binding of ``log_probs_from_logits`` (`_wrap_log_probs_from_logits`): from the logits it was given
+    and the log-probs it returned, log pi(EOS) = logsumexp(z_EOS) - (z_y - log pi(y))
+    (openrlhf_statistics.eos_probabilities: two gathers), at the rollout temperature, the EOS ids being the model's
+    generation config's and config's. In the training step the probabilities go to the loss (the current policy's, for
+    its rows' own control variate). In PolicyModelActor.forward at rollout time (an inference forward) they ride on
+    the returned log-probs (openrlhf_statistics.LogProbsWithEos, a tensor subclass that survives its ``.to("cpu")``
+    and Ray) to the experience maker, which takes them off before OpenRLHF sees its experiences (`_take_eos`). Pinned
+    by tests/openrlhf/test_eos.py and test_ray.py."""
+
     @functools.wraps(original)
     def forward(self, sequences, action_mask=None, *args, **kwargs):
         step = _loss_step.get()
@@ -378,6 +368,9 @@ def _wrap_actor_forward(original: Callable) -> Callable:
 
 
 def _wrap_log_probs_from_logits(original: Callable) -> Callable:
+    """Wrap actor.py's binding of log_probs_from_logits: inside a `_wrap_actor_forward` call, also read pi(EOS) from
+    the logits after its call (so at the rollout temperature on every release); its result is OpenRLHF's."""
+
     @functools.wraps(original)
     def log_probs_from_logits(logits, labels, *args, **kwargs):
         out = original(logits, labels, *args, **kwargs)  # 0.10.4 / 0.11.0 divide the logits by the temperature here
@@ -416,6 +409,12 @@ _MEAN_LENGTH = "_kl_adapters_mean_length"
 
 
 def _wrap_compute_advantages(original: Callable) -> Callable:
+    """Wrap ``compute_advantages_and_returns`` (PPOTrainer's RemoteExperienceMaker) so that, once OpenRLHF has made the
+    advantages, the loss path's statistics are fitted on the whole rollout with them (`_loss_task`) and with the
+    rollout forward's pi(EOS | y_<t) (`_wrap_actor_forward`), and stored in each row's info
+    (`_attach_loss_statistics`), from which `_wrap_training_step` hands them to the loss. Pinned by
+    tests/openrlhf/test_reward_path.py::test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages."""
+
     @functools.wraps(original)
     def compute_advantages_and_returns(self, experiences):
         experiences = original(self, experiences)
@@ -490,6 +489,18 @@ _rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar("kl_a
 
 
 def _wrap_make_experience(original: Callable) -> Callable:
+    """Reward path (default), in the PPOTrainer / TrainingActor (presets "reward" and "reward-plain").
+
+    ``RemoteExperienceMaker.make_experience`` is wrapped to hand each sample batch's action mask to
+    experience_maker.py's binding of ``compute_approx_kl`` (`_wrap_reward_kl`), which returns k1_t = log pi_old/pi_ref
+    from ``kl_reward`` (unclamped; OpenRLHF clamps every estimator to [-10, 10]). OpenRLHF's compute_reward makes it the
+    per-token reward -kl_coef * k1_t and its returns (gamma = 1) the KL reward-to-go: preset "reward-plain". Preset
+    "reward" then replaces each experience's per-token KL by increments d_t whose reward-to-go is the reduced
+    coefficient c_t with the rollout-wide statistics, fitted with the scores (`_reward_task`) and the rollout forward's
+    pi(EOS | y_<t) (`_reduce_reward_kl`). Either way the PPO gradient at the rollout policy is beta * (B / N_tok) *
+    grad kl_surrogate(preset, statistics=the rows', eos=the rollout policy's), N_tok being OpenRLHF's token-mean
+    divisor. Pinned by tests/openrlhf/test_reward_path.py::test_reward_path_gradient_is_reward_preset."""
+
     @functools.wraps(original)
     def make_experience(self, samples_list):
         settings = _settings(self.args)
@@ -610,7 +621,16 @@ def _wrap_train_step(original: Callable) -> Callable:
     experience maker (reward path) and passed to the actors' fit as kl_ctl (loss path), takes the budget's beta;
     after the step the budget is updated from the step's kl_adapters/seq_kl, which OpenRLHF's ppo_train averaged
     over the step's samples and all-reduced over the data-parallel ranks (loss path: importance-weighted estimates
-    at each micro-batch; reward path: the rollout's). Adds kl_adapters/beta and kl_adapters/kl_target to the status."""
+    at each micro-batch; reward path: the rollout's). Adds kl_adapters/beta and kl_adapters/kl_target to the status.
+
+    KL budget (``--algo.kl.seq_target <nats>`` or ``--algo.kl.preset <preset>:kl_target=<nats>``, kl_adapters.budget;
+    refused at parsing by `_check_budget`): one controller in the single controller (BasePPOTrainer), updated once per
+    rollout (this wrapper): OpenRLHF's fixed KL controller holds its beta, which train_step passes to every actor's
+    fit as kl_ctl (loss path) and the experience maker applies (reward path); afterwards it takes the step's
+    kl_adapters/seq_kl, which ppo_train already averaged and all-reduced over the data-parallel ranks (no added
+    synchronisation). State: a key of OpenRLHF's checkpoint client_states (`_wrap_save`, restored by
+    `_wrap_init_checkpoint_states`). Metrics ``kl_adapters/beta``, ``kl_adapters/kl_target``. Pinned by
+    tests/openrlhf/test_budget.py."""
 
     @functools.wraps(original)
     def train_step(self, rollout_samples, global_step):
@@ -710,6 +730,28 @@ def patch(trigger: str) -> None:
         budget, in the single controller);
     openrlhf.trainer.ppo_utils.experience_maker: RemoteExperienceMaker.make_experience, its compute_approx_kl binding.
     A refused KL_ADAPTERS raises its SettingError (`activation.check_environment`).
+
+    Releases (their KL code diffed, not only tested): what differs and where it is handled.
+        0.11.1 -> 0.11.2  compute_approx_kl clamps log_ratio at -10 before k3's exp (the value OpenRLHF logs; our
+                          gradient never goes through it); --actor.loss_agg_mode is new (`_check_reward_path` reads it
+                          with the 0.11.1 meaning, token-mean, as default); PolicyLoss returns 5 values (training_step
+                          is wrapped, not copied, so its arity does not matter); the reward path promotes rewards to
+                          float32 and gains flash_reinforce (the KL reward is float32 already; compute_reward and the
+                          returns are unchanged).
+        0.11.0 -> 0.11.1  compute_approx_kl gains log_probs_old and unbiased_gradient, and training_step passes them;
+                          --algo.kl.unbiased_gradient is new. `_wrap_loss_kl` forwards the release's own call and takes
+                          old_logp from the experience on every release; `check_args` reads the flag only where it
+                          exists.
+        0.11.0 -> 0.11.1  also: Actor.forward divides the logits by the temperature before log_probs_from_logits,
+                          which 0.10.4 / 0.11.0 do inside it; `_wrap_log_probs_from_logits` reads the logits after its
+                          call, so pi(EOS) is at the rollout temperature on every release.
+        0.10.4 -> 0.11.0  no change to compute_approx_kl, compute_reward, the returns, training_step's KL,
+                          aggregate_loss or the replay buffer (the diffs: z3 leaf modules, masked_normalize's keepdim,
+                          a dead GSPO line).
+        0.10.3 and older  refused even with KL_ADAPTERS_ALLOW_UNTESTED=1 (`_refuse_incompatible`): training_step takes
+                          no loss_batch_info and normalises each micro-batch by its own token count (0.10.4 introduced
+                          the optimizer-step normalisers, loss_utils.iter_grad_accum_global_norm), so `_loss_term`'s
+                          scale would be wrong.
     """
     activation.check_environment()
     _refuse_incompatible(require_version("openrlhf"))

@@ -1,112 +1,39 @@
 """verl adapter: the chosen preset's exact KL gradient in verl's actor loss, and the exact KL reward path.
 
-Supported: the releases in versions.TESTED["verl"] (0.9.0, 0.9.1; others raise `UnsupportedFrameworkError` naming
-the range). Their KL code paths were diffed, not only tested: 0.9.0 -> 0.9.1 changes none of the functions patched here
-nor agg_loss / kl_penalty (only GSPO's policy-loss aggregation and profiling, outside the KL paths). verl 0.8.0 differs
-in four places: get_ppo_ray_runtime_env() takes no config (handled: `_Site.params_in`); agg_loss has no "token-sum"
-mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trainer is verl.trainer.main_ppo_sync,
-whose compute_advantage_for_multi_trajectories is wrapped like v1's; and verl/__init__ does not load ``verl.plugins``
-entry points yet (0.9.0 added that), so there only KL_ADAPTERS or ``actor_rollout_ref.model.external_lib=
-kl_adapters.adapters.verl_plugin`` bring the adapter into the workers (a ``kl_adapters:`` name alone reaches verl's
-own kl_penalty, which raises NotImplementedError). main_ppo_sync is one of activation.ADAPTERS' triggers, but 0.8.0
-stays off the tested list: its usual launch, ``python -m verl.trainer.main_ppo_sync``, runs that module as __main__
-(never imported under its name, so never patched, in the driver or in the TaskRunner Ray ships from it), and its
-unpatched compute_advantage_for_multi_trajectories would then overwrite the KL reward-to-go of GRPO's reward path.
+Supported: versions.TESTED["verl"] (0.9.0, 0.9.1; others raise `UnsupportedFrameworkError` naming the range); what
+differs between releases and why 0.8.0 is refused: `patch`. Flag (`flag_settings`, verl's estimator-name fields):
+``actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>`` (actor KL loss) or
+``algorithm.kl_penalty=kl_adapters:reward`` (KL in the reward), or ``KL_ADAPTERS=<preset>`` for whichever path is on;
+with neither, every wrapper runs verl's own function unchanged. Every process is reached by the ``verl.plugins`` entry
+point (`verl_plugin`) and the Ray job's runtime_env (`patch`).
 
-Flag, verl's idiom (the estimator-name fields verl already has; Hydra accepts the new names as plain strings):
-    actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>   actor KL loss (with actor.use_kl_loss=True)
-    algorithm.kl_penalty=kl_adapters:reward                      KL in the reward (with algorithm.use_kl_in_reward=True)
-or, for whichever of the two paths is on, the environment variable ``KL_ADAPTERS=<preset>`` (exported before
-``python -m verl.trainer.main_ppo``, or ``+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=<preset>``). The value
-after ``kl_adapters:`` uses the KL_ADAPTERS syntax ``<preset>[:is_clip=<c>]`` (quote it for Hydra when it holds ``=``);
-a config name wins over the environment variable. With neither, every wrapper below runs verl's own function unchanged.
-
-Reaching every process: the ``verl.plugins`` entry point (`verl_plugin`) is imported by ``verl/__init__`` in every
-process that imports verl -- driver, TaskRunner, each worker, on every node where kl-adapters is installed -- and
-patches the modules below as they are imported. The driver forwards an active KL_ADAPTERS into the Ray job's
-runtime_env (all workers on all nodes); workers activate from it at interpreter start (the .pth hook).
-
-What is patched (attribute -> wrapper; name-import sites already loaded are rebound too, see `patch`):
-    verl.workers.utils.losses.get_policy_loss_fn   captures the tensors ppo_loss hands its policy loss
-    verl.workers.utils.losses.kl_penalty           the KL term of ppo_loss (only this module's global: core_algos'
-                                                   kl_penalty, used by the reward path and distillation, is untouched)
-    verl.workers.utils.losses.ppo_loss             adds the kl_adapters/* metrics; hands the reduced presets their inputs
-    verl.utils.tensordict_utils.make_iterator      tags the rows of the batch an actor update trains on
+What is patched (attribute -> wrapper, `SITES`; name-import sites already loaded are rebound too, see `patch`):
+    verl.workers.utils.losses.get_policy_loss_fn   `_capture_policy_loss`: the tensors ppo_loss hands its policy loss
+    verl.workers.utils.losses.kl_penalty           `_kl_term`: the KL term of ppo_loss (core_algos' is untouched)
+    verl.workers.utils.losses.ppo_loss             `_with_metrics`: kl_adapters/* metrics, the reduced presets' inputs
+    verl.utils.tensordict_utils.make_iterator      `_tag_rows`: the rows of the batch an actor update trains on
     verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits, FSDPEngineWithLMHead.prepare_model_outputs,
-    verl.workers.engine_workers.TrainingWorker.infer_batch    pi(EOS | y_<t) from the forward's own logits
+    verl.workers.engine_workers.TrainingWorker.infer_batch    `_record_eos`, `_eos_outputs`, `_keep_eos_rows`:
+                                                   pi(EOS | y_<t) from the forward's own logits
     verl.trainer.ppo.ray_trainer.apply_kl_penalty, .compute_advantage,
-    verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories       the reward path
-    verl.trainer.constants_ppo.get_ppo_ray_runtime_env                       forwards KL_ADAPTERS (and how the
-                                                                             advantages are scaled) to the Ray job
-    verl.utils.config.validate_config                                        refuses conflicting flags in the driver
+    verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories    `_kl_in_reward`, `_advantage_then_kl`
+    verl.trainer.constants_ppo.get_ppo_ray_runtime_env, verl.utils.config.validate_config    `_forward_env`,
+                                                   `_validate_first`: the driver (forward KL_ADAPTERS, refuse flags)
+    RayPPOTrainer / v1 PPOTrainer ._update_actor, ._save_checkpoint, ._load_checkpoint    the KL budget (`_ship_beta`)
 
-Actor loss (`_kl_per_token`): ppo_loss adds ``kl_loss_coef * agg_loss(kld, response_mask, loss_agg_mode, **global
-batch info)``. The adapter's kld has per-token gradient ``w_t * c_t * grad log_prob_t`` (c = the preset's weight,
-`kl_coefficients`, behaviour log-probs ``old_log_probs``; w = verl's ``rollout_is_weights`` when present, else 1), so
-the KL goes through verl's own aggregation and ``kl_loss_coef`` keeps its strength relative to the task loss. Without
-rollout IS weights the added gradient is that of
-    kl_surrogate(log_prob, ref_log_prob, response_mask, preset=p, old_logp=old_log_probs, beta=kl_loss_coef * B / D)
-with B the micro-batch's sequences and D agg_loss's divisor: batch_num_tokens / dp_size (token-mean; this is
-``per_sequence_beta(kl_loss_coef, mask, "token-mean", num_tokens=batch_num_tokens / dp_size)``), global_batch_size /
-dp_size (seq-mean-token-sum; times loss_scale_factor or the padded length for -norm), 1 / dp_size (token-sum)
-(tests/verl/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate and ::test_micro_batch_keeps_verls_normaliser).
-Sequence-level ``rollout_is_weights`` (verl's default rollout_is="sequence") weight each sequence's term, which keeps
-it unbiased under the rollout policy up to their truncation (and batch normalisation); token-level ones weight each
-token, as verl does for its policy loss (biased, as there). kld's value is the importance-weighted sequence KL
-estimate spread evenly over the sequence's tokens, so verl's ``actor/kl_loss`` reads as a KL (token-mean: per token;
-seq-mean-token-sum: per sequence). ``seq-mean-token-mean`` is refused: it optimizes a length-normalized KL.
+Math. Loss path (`_kl_per_token`): ppo_loss adds ``kl_loss_coef * agg_loss(kld, ...)``, and kld's per-token gradient
+is ``w_t * c_t * grad log_prob_t`` (c the preset's weight, `kl_coefficients`, behaviour log-probs old_log_probs; w
+verl's rollout_is_weights or 1), so the added gradient is that of ``kl_surrogate(..., beta=kl_loss_coef * B / D)``, D
+agg_loss's divisor. Reward path (`_advantage_then_kl`): the advantage estimator sees the KL-free scores, then
+``-beta * c_t`` is added to its advantages. The reduced presets' statistics are leave-one-out (exact), fitted to the
+task + KL gradient (`_reduction_kwargs`, `_micro_batch_statistics`). Metrics: `_kl_per_token`. KL budget
+(``kl_adapters:<preset>:kl_target=<nats>``): `_ship_beta`. Preset ``full``: refused (`check_loss_settings`).
 
-Batch statistics (the variance-reduced ``sequence`` / ``reward``), fitted to the trainer's task + KL gradient
-(reductions.py). What the core receives on the loss path:
-    task   TaskAdvantages(advantages, kl_loss_coef, normalized): ppo_loss's advantages (its per-token weight is
-           A_t - kl_loss_coef c_t whatever loss_agg_mode); normalized unless the driver's runtime_env says "shifted"
-           (`ADVANTAGES_ENV`, from algorithm.adv_estimator / norm_adv_by_std_in_grpo: `advantage_scaling`), since the
-           workers never see the algorithm config
-    group  verl's ``uid`` (the GRPO prompt group: the rows sharing the advantages' normalisation)
-    eos    EndOfSequence(pi(EOS | y_<t) of the current policy, responses == an EOS id, max_response_len): the
-           termination control variate. The FSDP engine's forward already makes the logits; `_record_eos` reads pi(EOS)
-           beside verl's logprobs_from_logits with two gathers per token (log pi(v) = z_v - z_y + log pi(y)), and
-           `_eos_outputs` puts it into model_output (EOS_PROB / IS_EOS, log_probs' layout) for ppo_loss. The EOS ids
-           are the engine's generation config's and tokenizer's (`eos_token_ids`). Other engines (Megatron, ...) add
-           nothing: no termination control variate there.
-verl's actor micro-batches are small (``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out
-statistics (`kl_statistics`) come from the whole batch an actor worker trains on in one update: its data-parallel
-shard of the rollout batch. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
-mini-batches) to tag each row with its index; ppo_loss's micro-batch carries the tags, and `_micro_batch_statistics`
-computes the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass), the
-batch's advantages and uid, and the end-of-sequence probabilities that compute_log_prob's forward (the one that made
-old_log_probs) left in the worker (`_keep_eos_rows`, looked up by each row's tokens), and hands each micro-batch its
-rows' (tests/verl/test_loss_path.py::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch; through the
-FSDP2 engine, compute_log_prob included: tests/verl/test_engine.py). ppo_loss called outside such an update uses its
-own batch's statistics (tests/verl/test_loss_path.py::test_task_group_and_eos_reach_the_core). On the reward path the
-statistics are computed on the whole rollout batch within each uid group, with the advantages of the KL-free scores.
-
-Reward path (`_kl_in_reward`, `_advantage_then_kl`): the ``reward`` and ``reward-plain`` presets. verl's
-apply_kl_penalty runs with its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update
-unchanged), but the advantage estimator is given the KL-free scores; afterwards ``-beta * c_t`` (the preset's
-on-policy weight: ``sum_{s>=t} k1_s`` for reward-plain, its variance-reduced form for reward; k1 from
-``old_log_probs``, beta = kl_ctrl.value; `reward`'s statistics fitted with TaskAdvantages(those advantages, beta,
-normalized as the estimator's arguments say), no end-of-sequence probabilities: the TaskRunner has no logits) is added
-to the advantages. The KL is therefore never divided by GRPO's group
-std nor collapsed to a sequence sum, whatever ``adv_estimator`` is; beta keeps its meaning of a per-token reward
-coefficient on the raw reward scale (tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation).
-
-verl's ``full`` estimator raises NotImplementedError upstream; the adapter does not offer an analytic KL (ppo_loss
-never receives the full-vocabulary logits) and refuses ``full`` when a flag would replace it.
-Metrics added beside verl's: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate) and, on the loss path,
-``kl_adapters/is_ess`` (effective sample size of the per-decision importance weights, 1 on-policy: `KLTerm.is_ess`),
-``kl_adapters/grad_weight_gap`` = sum|c_native - c_preset| / sum|c_preset| (c_native: the per-token weight of verl's
-own ``kl_loss_type``, verl's default low_var_kl for kl_adapters: names, ignoring its +-10 clamp; 0 = no difference).
-
-KL budget (``kl_adapters:<preset>:kl_target=<nats>``, kl_adapters.budget; refused at configuration by
-`check_budget_config`): one controller in the driver, updated once per rollout. Loss path: the trainer's
-_update_actor (v0 RayPPOTrainer, v1 PPOTrainer; `_ship_beta`) ships its beta with the update batch (BETA_KEY, so every
-actor worker and data-parallel rank applies the same value) and ppo_loss's KL term is rescaled by beta / kl_loss_coef;
-afterwards the controller takes the update's kl_adapters/seq_kl, which verl already reduces across ranks (no added
-synchronisation). Reward path: apply_kl_penalty applies the controller's beta through verl's fixed kl_ctrl and updates
-it from the rollout's sequence-KL estimate. State: global_step_<n>/BUDGET_FILE beside verl's checkpoint, written by
-_save_checkpoint and read by _load_checkpoint. Metrics ``kl_adapters/beta``, ``kl_adapters/kl_target``. Pinned by
-tests/verl/test_budget.py.
+Pinned by tests/verl/test_loss_path.py (::test_gradient_is_task_plus_kl_surrogate,
+::test_micro_batch_keeps_verls_normaliser, ::test_task_group_and_eos_reach_the_core,
+::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch), tests/verl/test_engine.py,
+tests/verl/test_eos.py, tests/verl/test_reward_path.py (::test_reward_kl_added_after_grpo_normalisation),
+tests/verl/test_config.py, tests/verl/test_activation.py and tests/verl/test_budget.py.
 """
 
 from __future__ import annotations
@@ -179,7 +106,16 @@ RUNTIME_ENV_KEY = f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_VAR}"
 def flag_settings(name: str, default: Settings | None, key: str = LOSS_KEY) -> Settings | None:
     """The settings a verl estimator name (the value of `key`) selects: ``kl_adapters:<value>`` parses <value>
     (SettingError naming `key` when refused); verl's own names defer to `default` (the KL_ADAPTERS / enable()
-    setting). None means verl's own code runs."""
+    setting). None means verl's own code runs.
+
+    Flag, verl's idiom (the estimator-name fields verl already has; Hydra accepts the new names as plain strings):
+        actor_rollout_ref.actor.kl_loss_type=kl_adapters:<preset>  actor KL loss (with actor.use_kl_loss=True)
+        algorithm.kl_penalty=kl_adapters:reward   KL in the reward (with algorithm.use_kl_in_reward=True)
+    or, for whichever of the two paths is on, the environment variable ``KL_ADAPTERS=<preset>`` (exported before
+    ``python -m verl.trainer.main_ppo``, or ``+ray_kwargs.ray_init.runtime_env.env_vars.KL_ADAPTERS=<preset>``). The
+    value after ``kl_adapters:`` uses the KL_ADAPTERS syntax ``<preset>[:is_clip=<c>]`` (quote it for Hydra when it
+    holds ``=``); a config name wins over the environment variable. With neither, every wrapper runs verl's own
+    function unchanged."""
     if isinstance(name, str) and name.startswith(PREFIX):
         settings = parse(name[len(PREFIX):], setting=key, written=name)
         if settings is None:
@@ -191,7 +127,12 @@ def flag_settings(name: str, default: Settings | None, key: str = LOSS_KEY) -> S
 
 
 def check_loss_settings(settings: Settings, loss_agg_mode: str) -> None:
-    """Refuse loss-path settings whose gradient would not be the documented one."""
+    """Refuse loss-path settings whose gradient would not be the documented one.
+
+    verl's ``full`` estimator raises NotImplementedError upstream; the adapter does not offer an analytic KL (ppo_loss
+    never receives the full-vocabulary logits) and refuses ``full`` when a flag would replace it (preset ``full``
+    here, verl's name ``full`` under KL_ADAPTERS in `flag_settings`). ``seq-mean-token-mean`` is refused: it optimizes
+    a length-normalized KL."""
     if get_preset(settings.preset).needs_full_logits:
         raise ValueError(_FULL_PRESET)
     if loss_agg_mode == "seq-mean-token-mean":
@@ -341,7 +282,9 @@ def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:
 
 
 def _kl_term(original: Callable) -> Callable:
-    """Wrap ppo_loss's kl_penalty: the preset's per-token KL term for the captured tensors (`_kl_per_token`)."""
+    """Wrap ppo_loss's kl_penalty: the preset's per-token KL term for the captured tensors (`_kl_per_token`).
+    Only verl.workers.utils.losses' own global is wrapped: core_algos' kl_penalty, used by the reward path and
+    distillation, is untouched."""
 
     def patched(logprob, ref_logprob, kl_penalty):  # verl's parameter names: ppo_loss passes them by keyword
         captured, _local.captured = getattr(_local, "captured", None), None
@@ -363,7 +306,30 @@ def _kl_term(original: Callable) -> Callable:
 def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     """Per-token KL term for verl's agg_loss: gradient w_t * c_t * grad log_prob_t, value = the sequence's
     (importance-weighted) KL estimate spread evenly over its tokens. Zero at padding. Also returns the metrics.
-    The reduced presets' inputs: `_reduction_kwargs`."""
+    The reduced presets' inputs: `_reduction_kwargs`.
+
+    Actor loss: ppo_loss adds ``kl_loss_coef * agg_loss(kld, response_mask, loss_agg_mode, **global batch info)``.
+    The adapter's kld has per-token gradient ``w_t * c_t * grad log_prob_t`` (c = the preset's weight,
+    `kl_coefficients`, behaviour log-probs ``old_log_probs``; w = verl's ``rollout_is_weights`` when present, else 1),
+    so the KL goes through verl's own aggregation and ``kl_loss_coef`` keeps its strength relative to the task loss.
+    Without rollout IS weights the added gradient is that of
+        kl_surrogate(log_prob, ref_log_prob, response_mask, preset=p, old_logp=old_log_probs, beta=kl_loss_coef * B / D)
+    with B the micro-batch's sequences and D agg_loss's divisor: batch_num_tokens / dp_size (token-mean; this is
+    ``per_sequence_beta(kl_loss_coef, mask, "token-mean", num_tokens=batch_num_tokens / dp_size)``), global_batch_size /
+    dp_size (seq-mean-token-sum; times loss_scale_factor or the padded length for -norm), 1 / dp_size (token-sum)
+    (tests/verl/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate and
+    ::test_micro_batch_keeps_verls_normaliser). Sequence-level ``rollout_is_weights`` (verl's default
+    rollout_is="sequence") weight each sequence's term, which keeps it unbiased under the rollout policy up to their
+    truncation (and batch normalisation); token-level ones weight each token, as verl does for its policy loss (biased,
+    as there). kld's value is the importance-weighted sequence KL estimate spread evenly over the sequence's tokens, so
+    verl's ``actor/kl_loss`` reads as a KL (token-mean: per token; seq-mean-token-sum: per sequence).
+    ``seq-mean-token-mean`` is refused (`check_loss_settings`).
+
+    Metrics added beside verl's: ``kl_adapters/seq_kl`` (mean per-sequence KL estimate; on the reward path too,
+    `_kl_in_reward`), ``kl_adapters/is_ess`` (effective sample size of the per-decision importance weights, 1
+    on-policy: `KLTerm.is_ess`), ``kl_adapters/grad_weight_gap`` = sum|c_native - c_preset| / sum|c_preset| (c_native:
+    the per-token weight of verl's own ``kl_loss_type``, verl's default low_var_kl for kl_adapters: names, ignoring its
+    +-10 clamp; 0 = no difference)."""
     from verl.utils.metric import AggregationType, Metric
 
     mask = c.response_mask
@@ -389,7 +355,21 @@ def _reduction_kwargs(c: _Captured) -> dict:
     Tagged rows (an actor update): the statistics of the worker's whole batch (`_micro_batch_statistics`) and this
     forward's eos; ppo_loss on its own: statistics of this micro-batch, within its uid groups, with its eos.
     Pinned by tests/verl/test_loss_path.py::test_task_group_and_eos_reach_the_core and
-    ::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch."""
+    ::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch.
+
+    Batch statistics (the variance-reduced ``sequence`` / ``reward``), fitted to the trainer's task + KL gradient
+    (reductions.py). What the core receives on the loss path:
+        task   TaskAdvantages(advantages, kl_loss_coef, normalized): ppo_loss's advantages (its per-token weight is
+               A_t - kl_loss_coef c_t whatever loss_agg_mode); normalized unless the driver's runtime_env says
+               "shifted" (`ADVANTAGES_ENV`, from algorithm.adv_estimator / norm_adv_by_std_in_grpo:
+               `advantage_scaling`), since the workers never see the algorithm config
+        group  verl's ``uid`` (the GRPO prompt group: the rows sharing the advantages' normalisation)
+        eos    EndOfSequence(pi(EOS | y_<t) of the current policy, responses == an EOS id, max_response_len): the
+               termination control variate. The FSDP engine's forward already makes the logits; `_record_eos` reads
+               pi(EOS) beside verl's logprobs_from_logits with two gathers per token (log pi(v) = z_v - z_y +
+               log pi(y)), and `_eos_outputs` puts it into model_output (EOS_PROB / IS_EOS, log_probs' layout) for
+               ppo_loss. The EOS ids are the engine's generation config's and tokenizer's (`eos_token_ids`). Other
+               engines (Megatron, ...) add nothing: no termination control variate there."""
     if c.reduction is None:
         return {}
     eos = c.reduction.eos
@@ -483,7 +463,20 @@ def _micro_batch_statistics(c: _Captured, with_eos: bool) -> KLStatistics:
     task=`_task`(advantages, kl_loss_coef), eos=the batch's end-of-sequence probabilities from
     the worker's last compute_log_prob pass (`_stored_eos`) when this forward has them too), i.e. from the OTHER
     rows only (leave-one-out), so the gradient stays unbiased whatever the current policy (reductions.py). Cropped to
-    the micro-batch's padded width (rows are left-aligned)."""
+    the micro-batch's padded width (rows are left-aligned).
+
+    verl's actor micro-batches are small (``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out
+    statistics (`kl_statistics`) come from the whole batch an actor worker trains on in one update: its data-parallel
+    shard of the rollout batch. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
+    mini-batches) to tag each row with its index; ppo_loss's micro-batch carries the tags, and this function computes
+    the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass), the batch's
+    advantages and uid, and the end-of-sequence probabilities that compute_log_prob's forward (the one that made
+    old_log_probs) left in the worker (`_keep_eos_rows`, looked up by each row's tokens), and hands each micro-batch
+    its rows' (tests/verl/test_loss_path.py::test_statistics_of_the_workers_batch_reach_each_shuffled_micro_batch;
+    through the FSDP2 engine, compute_log_prob included: tests/verl/test_engine.py). ppo_loss called outside such an
+    update uses its own batch's statistics (tests/verl/test_loss_path.py::test_task_group_and_eos_reach_the_core). On
+    the reward path the statistics are computed on the whole rollout batch within each uid group, with the advantages
+    of the KL-free scores (`_advantage_then_kl`)."""
     if getattr(_local, "statistics", None) is None:
         batch = getattr(_local, "batch", None)
         if batch is None:
@@ -585,7 +578,8 @@ def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
     in the actor's training forward under a reduced preset (its loss function, passed here as
     logits_processor_func, `_wants_eos`), add model_output[EOS_PROB] / [IS_EOS] in log_probs' layout; in an armed
     compute_log_prob pass (`_keep_eos_rows`), keep them per row instead. Nothing else changes; with no reduced preset
-    verl's method runs alone. No second forward: `_record_eos` reads the logits this forward already made."""
+    verl's method runs alone. No second forward: `_record_eos` reads the logits this forward already made. Only the
+    FSDP engine is wrapped: other engines (Megatron, ...) add nothing, so no termination control variate there."""
 
     def patched(self, output, output_args, micro_batch, logits_processor_func, *args, **kwargs):
         pending = getattr(_local, "eos_pending", None)
@@ -688,7 +682,13 @@ def _stored_eos(batch, width: int) -> EndOfSequence | None:
 
 def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
     """Wrap apply_kl_penalty: under the `reward` preset run verl's with the k1 estimator (its rewards, metrics and
-    kl_ctrl update) and hand beta to the advantage step through meta_info."""
+    kl_ctrl update) and hand beta to the advantage step through meta_info.
+
+    Reward path (this and `_advantage_then_kl`): the ``reward`` and ``reward-plain`` presets. verl's apply_kl_penalty
+    runs with its k1 estimator (its metrics ``actor/reward_kl_penalty(_coeff)`` and the kl_ctrl update unchanged),
+    beta = kl_ctrl.value; the advantage estimator is given the KL-free scores and the KL is added to the advantages
+    afterwards (`_advantage_then_kl`). Adds ``kl_adapters/seq_kl``. Under a KL budget (`_ship_beta`), applies the
+    controller's beta through verl's fixed kl_ctrl and updates it from the rollout's sequence-KL estimate."""
 
     def patched(data, kl_ctrl, kl_penalty="kl"):
         settings = _reward_settings(kl_penalty)
@@ -721,6 +721,10 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
                       GRPO group (verl's uid), else of the whole batch, fitted to the task + KL gradient:
                       task=TaskAdvantages(A(scores), beta, normalized=`_normalized_by`(the estimator's arguments)).
     The TaskRunner has no logits, so no end-of-sequence probabilities: no termination control variate on this path.
+    k1 comes from ``old_log_probs`` and beta = kl_ctrl.value (`_kl_in_reward`). The KL is therefore never divided by
+    GRPO's group std nor collapsed to a sequence sum, whatever ``adv_estimator`` is; beta keeps its meaning of a
+    per-token reward coefficient on the raw reward scale
+    (tests/verl/test_reward_path.py::test_reward_kl_added_after_grpo_normalisation).
     Pinned by tests/verl/test_reward_path.py."""
 
     def patched(data, *args, **kwargs):
@@ -863,7 +867,18 @@ def _ship_beta(update_actor: Callable) -> Callable:
     non-tensor info (BETA_KEY) to every actor worker, then update it from the update's sequence-KL estimate: the mean
     over mini-batches of verl's data-parallel mean of the workers' kl_adapters/seq_kl (each micro-batch's mean of
     `KLTerm.sequence_kl`, importance-weighted after the first mini-batch). v0 (RayPPOTrainer) returns the metrics in
-    its output's meta_info, v1 (PPOTrainer) writes them into its `metrics` argument."""
+    its output's meta_info, v1 (PPOTrainer) writes them into its `metrics` argument.
+
+    KL budget (``kl_adapters:<preset>:kl_target=<nats>``, kl_adapters.budget; refused at configuration by
+    `check_budget_config`): one controller in the driver, updated once per rollout. Loss path: the trainer's
+    _update_actor (v0 RayPPOTrainer, v1 PPOTrainer; this wrapper) ships its beta with the update batch (BETA_KEY, so
+    every actor worker and data-parallel rank applies the same value) and ppo_loss's KL term is rescaled by
+    beta / kl_loss_coef (`_budget_scaled`); afterwards the controller takes the update's kl_adapters/seq_kl, which
+    verl already reduces across ranks (no added synchronisation). Reward path: apply_kl_penalty applies the
+    controller's beta through verl's fixed kl_ctrl and updates it from the rollout's sequence-KL estimate
+    (`_kl_in_reward`). State: global_step_<n>/BUDGET_FILE beside verl's checkpoint, written by _save_checkpoint and
+    read by _load_checkpoint (`_save_budgets`, `_load_budgets`). Metrics ``kl_adapters/beta``,
+    ``kl_adapters/kl_target``. Pinned by tests/verl/test_budget.py."""
 
     def patched(self, batch, *args, **kwargs):
         budget = _loss_budget(self)
@@ -1067,7 +1082,27 @@ def patch(trigger: str) -> None:
     whose signature differs from the tested one of that release, with UnsupportedFrameworkError. Copies made by
     `from <trigger> import name` in verl modules loaded before this call are rebound too (the import-site binding
     pitfall), except kl_penalty and get_policy_loss_fn, which are wrapped only where ppo_loss looks them up. A refused
-    KL_ADAPTERS raises its SettingError (`activation.check_environment`)."""
+    KL_ADAPTERS raises its SettingError (`activation.check_environment`).
+
+    Reaching every process: the ``verl.plugins`` entry point (`verl_plugin`) is imported by ``verl/__init__`` in every
+    process that imports verl -- driver, TaskRunner, each worker, on every node where kl-adapters is installed -- and
+    patches the modules of `SITES` as they are imported. The driver forwards an active KL_ADAPTERS into the Ray job's
+    runtime_env (all workers on all nodes, `_forward_env`); workers activate from it at interpreter start (the .pth
+    hook).
+
+    Supported: the releases in versions.TESTED["verl"] (0.9.0, 0.9.1; others raise `UnsupportedFrameworkError` naming
+    the range). Their KL code paths were diffed, not only tested: 0.9.0 -> 0.9.1 changes none of the functions patched
+    here nor agg_loss / kl_penalty (only GSPO's policy-loss aggregation and profiling, outside the KL paths). verl 0.8.0
+    differs in four places: get_ppo_ray_runtime_env() takes no config (handled: `_Site.params_in`); agg_loss has no
+    "token-sum" mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trainer is
+    verl.trainer.main_ppo_sync, whose compute_advantage_for_multi_trajectories is wrapped like v1's; and verl/__init__
+    does not load ``verl.plugins`` entry points yet (0.9.0 added that), so there only KL_ADAPTERS or
+    ``actor_rollout_ref.model.external_lib=kl_adapters.adapters.verl_plugin`` bring the adapter into the workers (a
+    ``kl_adapters:`` name alone reaches verl's own kl_penalty, which raises NotImplementedError). main_ppo_sync is one
+    of activation.ADAPTERS' triggers, but 0.8.0 stays off the tested list: its usual launch, ``python -m
+    verl.trainer.main_ppo_sync``, runs that module as __main__ (never imported under its name, so never patched, in
+    the driver or in the TaskRunner Ray ships from it), and its unpatched compute_advantage_for_multi_trajectories
+    would then overwrite the KL reward-to-go of GRPO's reward path."""
     activation.check_environment()
     version = require_version("verl")
     for site in SITES[trigger]:

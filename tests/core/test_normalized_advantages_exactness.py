@@ -4,9 +4,10 @@
 form two clusters with small spread inside each (r = 1[u > 1/2] + 0.1 u', V = 3, T = 3, G = 3, seed 0): its
 expected KL gradient is 7.5e-4 relative off `sequence-plain`'s (the exact one). With binary rewards, with uniform
 rewards, at G = 2, or at seed 1 the same check is exact to 1e-14 (below), as is every unnormalized case
-(tests/core/test_exactness.py). With `VARIANCE_FLOOR` = 0 (same problem, other reward draws) the bias is larger
-(5.4e-3) and binary rewards are biased too (3.2e-3): the floor's test compares a centred variance with a raw second moment that the row's own reward shifts
-(`reductions._task_scale`, `reductions._joint_fit`), a candidate cause, not yet confirmed.
+(tests/core/test_exactness.py). Not yet explained: `VARIANCE_FLOOR` guards the fit against leave-one-out variances
+at rounding level, and dropping it in `reductions._task_scale` or in `reductions._joint_fit` alone makes this bias
+larger (3.9e-3, 3.5e-3), so the floors' threshold is not the whole cause; with the floor 0 everywhere binary rewards
+are biased too (3.2e-3, other reward draws).
 
 The first test is a strict xfail: it fails (as expected) while the defect is there and turns red when a fix makes it
 pass, so the fix must also remove the mark. docs/limitations.md states the defect."""

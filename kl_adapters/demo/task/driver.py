@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..output import environment, output_to
 from . import arithmetic, report
 from .settings import SCALES, SETTINGS, RLSettings
 
@@ -127,8 +128,6 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
     runners = runners or {"trl": run_trl}
     if args.framework not in runners:
         raise SystemExit(f"unknown framework {args.framework!r}; valid: {', '.join(runners)}")
-    from ..output import output_to as _framework_output_to
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = out / f"{args.name}.jsonl"
@@ -141,7 +140,7 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
     if args.report:  # the tables and plot from the store alone: no reference, no log
         print(write_report(runs, out, args.name))
         return 0
-    with _framework_output_to(out / f"{args.name}.log") as say:
+    with output_to(out / f"{args.name}.log") as say:
         prepared = prepare(args.setting, args.scale, base.eval_prompts, args.cache, say)
         done = {(json.dumps(r["key"], sort_keys=True), r["config"], r["seed"]) for r in runs}
         todo = []
@@ -162,8 +161,6 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
 
 def _run_all(args, runner: Runner, prepared: Prepared, todo: list, runs: list, store: Path, command: str,
              say) -> None:
-    from ..output import environment
-
     start, env = time.perf_counter(), environment()
     pool = None if args.workers == 0 else ProcessPoolExecutor(
         args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
@@ -228,8 +225,6 @@ def write_report(runs: list[dict], out: Path, name: str) -> str:
     text = "\n\n".join(texts)
     (out / f"{name}.txt").write_text("".join(f"$ {c}\n" for c in commands) + "\n" + text + "\n")
     (out / f"{name}.md").write_text("\n\n".join(markdowns) + "\n")
-    from ..output import environment
-
     # the runs' environments (each run records the one it ran in) and the report's own (the process writing these files)
     run_environments = list({json.dumps(r["environment"], sort_keys=True): r["environment"]
                              for r in runs if "environment" in r}.values())

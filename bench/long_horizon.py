@@ -3,7 +3,7 @@
 The problem (`kl_adapters.demo.long_horizon_problem`): a tiny GPT-2 whose reference is a position-dependent Markov
 chain over {EOS, a, b}, the reward R = 1 if the completion never holds "bb" (P_ref(R = 1) = 0.25 at every T), beta 0.2;
 pi*, J* and log Z by dynamic programming, KL(pi || pi*) = (J* - J) / beta of the trained policy estimated from N
-completions with exact per-position KLs. Every run writes its evaluations to <out>/<name>.jsonl as it finishes (a
+completions with exact per-position KLs. Every run writes its evaluations to <out>/<name>.jsonl.gz as it finishes (a
 re-run with the same --name and settings skips what is there); the driver is `kl_adapters.demo.long_horizon_run`.
 
 Usage (one process, one thread; long runs: nohup nice -n 10 ... &):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from kl_adapters.demo.output import read_runs
 from kl_adapters.demo.task import arithmetic
 from kl_adapters.demo.task.harness import generate
 from kl_adapters.demo.task.settings import RLSettings
@@ -30,14 +30,14 @@ RL = RLSettings(steps=1, prompts_per_step=3, group=4, beta=0.3)
 def run_task_benchmark(framework: str, configs: list[str], out: Path, cache: Path) -> dict[str, dict]:
     """bench/task.py's main in this process on the smoke settings; checks what every run must hold (evaluation rows at
     steps 0, 3, 4 with finite numbers, 4 finite steps, the staleness of lag 2, the files) and returns config -> run
-    (its line of the .jsonl)."""
+    (its line of the .jsonl.gz)."""
     spec = importlib.util.spec_from_file_location("bench_task", BENCH / "task.py")
     task = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(task)
     argv = [*SMOKE, "--framework", framework, "--configs", ",".join(configs), "--cache", str(cache), "--out", str(out)]
     assert task.main(argv) == 0
     name = f"task_short_{framework}"
-    runs = {r["config"]: r for r in map(json.loads, (out / f"{name}.jsonl").read_text().splitlines())}
+    runs = {r["config"]: r for r in read_runs(out / f"{name}.jsonl.gz")}
     assert list(runs) == configs and (out / f"{name}.txt").exists() and (out / f"{name}.png").stat().st_size > 0
     for config, run in runs.items():
         assert "error" not in run, f"{config}: {run['error']}"

@@ -1,7 +1,7 @@
 """Driver of the long-horizon benchmark (issue 22): runs (horizon, configuration, seed) one after another in this
-process, one torch thread, and writes <out>/<name>.{jsonl,txt,png,json,log}.
+process, one torch thread, and writes <out>/<name>.{jsonl.gz,txt,png,json,log}.
 
-    <name>.jsonl  one line per finished run (its command, settings, every evaluation row, each step's wall time, the
+    <name>.jsonl.gz  one line per finished run (its command, settings, every evaluation row, each step's wall time, the
                   framework's own per-step metrics); a later invocation with the same --name and settings skips the
                   runs already there, so seeds and horizons can be added, and an interrupted job resumed
     <name>.txt    the commands, then per horizon the table of `long_horizon_report` (J* - J mean +- se over seeds,
@@ -25,7 +25,7 @@ from pathlib import Path
 from . import long_horizon_report as report
 from .long_horizon_harness import LongSettings, Progress
 from .long_horizon_problem import LongHorizonProblem
-from .output import environment, output_to
+from .output import append_run, environment, output_to, read_runs
 
 #: (problem, configuration, settings, progress) -> {"history": [...], "step_seconds": [...], ...}
 RunFn = Callable[[LongHorizonProblem, str, LongSettings, Progress], dict]
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser, defaults: LongSettings) -> None:
                    help=f"completions of the final evaluation ({defaults.final_samples})")
     p.add_argument("--beta", type=float, default=LongHorizonProblem.beta, help=f"({LongHorizonProblem.beta})")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT}/; committed: bench/results)")
-    p.add_argument("--report", action="store_true", help="only rebuild <name>.txt/.png/.json from <name>.jsonl")
+    p.add_argument("--report", action="store_true", help="only rebuild <name>.txt/.png/.json from <name>.jsonl.gz")
 
 
 def settings_from(args: argparse.Namespace) -> LongSettings:
@@ -78,15 +78,15 @@ def _ints(text: str) -> list[int]:
 
 
 def execute(plan: Plan, args: argparse.Namespace, command: str) -> int:
-    """Run every (horizon, configuration, seed) of the arguments not yet in <out>/<name>.jsonl, then the report."""
+    """Run every (horizon, configuration, seed) of the arguments not yet in <out>/<name>.jsonl.gz, then the report."""
     import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = out / f"{plan.name}.jsonl"
+    store = out / f"{plan.name}.jsonl.gz"
     settings = settings_from(args)
     key = {"settings": asdict(settings), "beta": args.beta}
-    runs = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    runs = read_runs(store)
     if any({k: r[k] for k in key} != key for r in runs):
         raise SystemExit(f"{store} holds runs with other settings than {key}: pass another --name")
     done = {(r["horizon"], r["config"], r["seed"]) for r in runs}
@@ -111,10 +111,10 @@ def execute(plan: Plan, args: argparse.Namespace, command: str) -> int:
             runs.append({"command": command, **key, "framework": plan.framework, "horizon": horizon,
                          "config": config, "seed": seed, "reference_success": problem.reference_success,
                          "j_star": problem.j_star, "wall_seconds": time.perf_counter() - start, **result})
-            with store.open("a") as f:
-                f.write(json.dumps(runs[-1]) + "\n")
+            append_run(store, runs[-1])
         text = write_report(plan, runs, out)
-        say("\n" + text + f"\n\nplot: {out / plan.name}.png   table: {plan.name}.txt   every figure: {plan.name}.jsonl")
+        say("\n" + text + f"\n\nplot: {out / plan.name}.png   table: {plan.name}.txt   "
+            f"every figure: {plan.name}.jsonl.gz")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Where a benchmark run's output goes, and what it records about the machine: `output_to` points the frameworks'
 printing (this process and the workers it starts) at a log file and gives the terminal one print function;
-`environment` is the versions, device and source revision written into every result's JSON.
+`environment` is the versions, device and source revision written into every result's JSON; `read_runs` /
+`append_run` read and extend a benchmark's run store (<name>.jsonl.gz: one JSON object per line, gzip-compressed).
 
 Shared by the demo's drivers (`run`, `long_horizon_run`, `task.driver`) and the bench/ scripts; it imports nothing
 from the demo, so that no driver imports another for them.
@@ -9,7 +10,9 @@ from the demo, so that no driver imports another for them.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -51,3 +54,18 @@ def environment() -> dict:
             ["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True, text=True,
             check=True, timeout=10).stdout.strip()
     return env
+
+
+def read_runs(store: Path) -> list[dict]:
+    """The runs in a benchmark's store (<name>.jsonl.gz), in the order they finished; [] when there is none yet."""
+    if not store.exists():
+        return []
+    with gzip.open(store, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def append_run(store: Path, run: dict) -> None:
+    """Append one run to a store as its own gzip member, so a killed benchmark keeps every run that finished (a file of
+    several members reads back as one stream)."""
+    with gzip.open(store, "at") as f:
+        f.write(json.dumps(run) + "\n")

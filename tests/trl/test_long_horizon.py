@@ -17,6 +17,7 @@ from kl_adapters.demo.long_horizon_harness import LongSettings
 from kl_adapters.demo.long_horizon_problem import (A_ID, CHARS, EOS_ID, VOCAB, LongHorizonProblem, evaluate, rewards,
                                                    sample, states)
 from kl_adapters.demo.long_horizon_trl import gradient_variance, make_trainer, overrides, run_trl
+from kl_adapters.demo.output import read_runs
 from kl_adapters.demo.problem import completion_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,14 +183,14 @@ def test_report_statistics():
 
 
 def test_benchmark_command_line(tmp_path):
-    """bench/long_horizon.py end to end at T = 8 (seconds), then again: the runs in the .jsonl are not redone."""
+    """bench/long_horizon.py end to end at T = 8 (seconds), then again: the runs in the .jsonl.gz are not redone."""
     argv = [sys.executable, str(ROOT / "bench" / "long_horizon.py"), "--horizons", "8", "--configs",
             "trl-default,sequence-plain", "--seeds", "0", "--steps", "2", "--group", "4", "--eval-every", "1",
             "--eval-samples", "32", "--final-samples", "64", "--out", str(tmp_path)]
     first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "[2/2] T=8 sequence-plain seed 0 step    2/2" in first.stdout
-    runs = [json.loads(line) for line in (tmp_path / "long_horizon_trl.jsonl").read_text().splitlines()]
+    runs = read_runs(tmp_path / "long_horizon_trl.jsonl.gz")
     assert [(r["config"], len(r["history"])) for r in runs] == [("trl-default", 3), ("sequence-plain", 3)]
     assert "T = 8" in (tmp_path / "long_horizon_trl.txt").read_text()
     assert (tmp_path / "long_horizon_trl.png").stat().st_size > 0
@@ -206,7 +207,7 @@ def test_quick_variant_command_line(tmp_path, monkeypatch):
     monkeypatch.setitem(long_horizon_run.QUICK, "horizons", [8])
     monkeypatch.setitem(long_horizon_run.QUICK, "settings", TINY)
     assert main(["demo", "--long-horizon", "--out", str(tmp_path)]) == 0
-    runs = [json.loads(line) for line in (tmp_path / "long_horizon_trl_quick.jsonl").read_text().splitlines()]
+    runs = read_runs(tmp_path / "long_horizon_trl_quick.jsonl.gz")
     assert {(r["config"], r["seed"]) for r in runs} == {(c, s) for c in long_horizon_run.QUICK["configs"]
                                                       for s in long_horizon_run.QUICK["seeds"]}
     assert "T = 8" in (tmp_path / "long_horizon_trl_quick.txt").read_text()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kl_adapters.demo.output import read_runs
 from kl_adapters.demo.task import arithmetic, reference
 from kl_adapters.demo.task.evaluate import completion_logps, encode_prompts, sample, sequence_kl
 from kl_adapters.demo.task.settings import SCALES
@@ -80,7 +81,7 @@ def test_smoke_run_of_the_benchmark(smoke_reference, tmp_path, setting):
            "--scale", "smoke", "--workers", "0", "--cache", str(cache), "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    runs = [json.loads(line) for line in (tmp_path / f"task_{setting}_trl.jsonl").read_text().splitlines()]
+    runs = read_runs(tmp_path / f"task_{setting}_trl.jsonl.gz")
     assert [r["config"] for r in runs] == configs.split(",")
     assert all("error" not in r and r["finite"] and len(r["history"]) == 2 for r in runs)
     assert all("kl_adapters_source" in r["environment"] for r in runs)  # each run records the code it ran

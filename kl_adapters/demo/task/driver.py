@@ -1,7 +1,7 @@
 """Driver of the task benchmark: builds (or finds) the reference, then runs (beta, lag, configuration, seed) jobs in
-worker processes and writes <out>/<name>.{jsonl,txt,json,png,log}.
+worker processes and writes <out>/<name>.{jsonl.gz,txt,json,png,log}.
 
-    <name>.jsonl  one line per finished run: its command, key (framework, setting, scale, RL settings, reference and
+    <name>.jsonl.gz  one line per finished run: its command, key (framework, setting, scale, RL settings, reference and
                   proxy keys), configuration, seed, evaluation rows, per-step metrics, wall time; a later invocation
                   with the same --name skips the runs already there (seeds, configurations and betas can be added,
                   an interrupted job resumed)
@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..output import environment, output_to
+from ..output import append_run, environment, output_to, read_runs
 from . import arithmetic, report
 from .settings import SCALES, SETTINGS, RLSettings
 
@@ -123,15 +123,15 @@ def budget_config(runs: list[dict], key: dict, of: str) -> str:
 
 
 def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] | None = None) -> int:
-    """Every (beta, lag, configuration, seed) of the arguments not yet in <out>/<name>.jsonl, then the report.
+    """Every (beta, lag, configuration, seed) of the arguments not yet in <out>/<name>.jsonl.gz, then the report.
     `runners`: framework name -> Runner (default: TRL only)."""
     runners = runners or {"trl": run_trl}
     if args.framework not in runners:
         raise SystemExit(f"unknown framework {args.framework!r}; valid: {', '.join(runners)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = out / f"{args.name}.jsonl"
-    runs = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    store = out / f"{args.name}.jsonl.gz"
+    runs = read_runs(store)
     base = SCALES[args.scale].rl
     given = {"steps": args.steps, "learning_rate": args.lr, "prompts_per_step": args.prompts,
              "eval_prompts": args.eval_prompts}
@@ -155,7 +155,8 @@ def execute(args: argparse.Namespace, command: str, runners: dict[str, Runner] |
             f"frameworks' output -> {out / (args.name + '.log')}")
         _run_all(args, runners[args.framework], prepared, todo, runs, store, command, say)
         text = write_report(runs, out, args.name)
-        say("\n" + text + f"\n\ntable: {out / args.name}.txt   plot: {args.name}.png   every figure: {args.name}.jsonl")
+        say("\n" + text + f"\n\ntable: {out / args.name}.txt   plot: {args.name}.png   "
+            f"every figure: {args.name}.jsonl.gz")
     return 0
 
 
@@ -174,8 +175,7 @@ def _run_all(args, runner: Runner, prepared: Prepared, todo: list, runs: list, s
         for k, ((key, rl, config, seed), result) in enumerate(results, 1):
             runs.append({"command": command, "environment": env, "key": key, "config": config, "seed": seed,
                          **result})
-            with store.open("a") as f:
-                f.write(json.dumps(runs[-1]) + "\n")
+            append_run(store, runs[-1])
             tag = f"  [{k}/{len(todo)}] beta {rl.beta:g} lag {rl.lag} {config:<28} seed {seed}:"
             if "error" in result:
                 say(f"{tag} FAILED ({result['error'].strip().splitlines()[-1]}; traceback in {store})")
@@ -267,7 +267,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", type=Path, help="where the reference is cached (reference.default_cache())")
     p.add_argument("--name", help="output stem (task_<setting>_<framework>)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT}/; committed: bench/results)")
-    p.add_argument("--report", action="store_true", help="only rebuild <name>.txt/.json/.png from <name>.jsonl (no "
+    p.add_argument("--report", action="store_true", help="only rebuild <name>.txt/.json/.png from <name>.jsonl.gz (no "
                    "reference, no run, the log untouched)")
 
 

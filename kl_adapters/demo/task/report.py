@@ -1,6 +1,6 @@
 """Tables, paired tests, collapse and spike counts, and the frontier plot of the task benchmark's runs.
 
-A run (one line of the benchmark's .jsonl) holds its evaluation rows ("history": per split "id" / "ood", the scorers'
+A run (one line of the benchmark's .jsonl.gz) holds its evaluation rows ("history": per split "id" / "ood", the scorers'
 means and standard errors, "kl", "length") and TRL's or the harness's per-step metrics. The definitions below are the
 protocol's (docs/task.md), fixed before any comparison ran:
 

@@ -59,12 +59,9 @@ from ..surrogate import KLTerm, kl_coefficients, kl_reward, kl_term, sequence_kl
 from . import openrlhf_statistics
 from .openrlhf_statistics import EosPayload, RolloutTask, aligned, split_eos
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
-from .versions import supported_range
+from .metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
 from .openrlhf_cli import FLAG
-
-SEQ_KL = "kl_adapters/seq_kl"
-GRAD_WEIGHT_GAP = "kl_adapters/grad_weight_gap"
-IS_ESS = "kl_adapters/is_ess"
+from .versions import supported_range
 
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
 _PPO_TRAINER = "openrlhf.trainer.ppo_trainer"

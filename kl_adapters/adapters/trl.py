@@ -93,6 +93,7 @@ from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import KLTerm, kl_statistics, kl_term
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
+from .metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
 
 if TYPE_CHECKING:  # pragma: no cover
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -618,10 +619,10 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> Non
     ]).float()).tolist()
     metrics = trainer._metrics[mode]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
-    metrics["kl_adapters/seq_kl"].append(totals[2] / max(totals[3], 1.0))
+    metrics[SEQ_KL].append(totals[2] / max(totals[3], 1.0))
     observe_budget(trainer, mode, totals[2], totals[3])
-    metrics["kl_adapters/grad_weight_gap"].append(totals[4] / totals[5] if totals[5] > 0 else 0.0)
-    metrics["kl_adapters/is_ess"].append(totals[6] / totals[7])  # mean over processes
+    metrics[GRAD_WEIGHT_GAP].append(totals[4] / totals[5] if totals[5] > 0 else 0.0)
+    metrics[IS_ESS].append(totals[6] / totals[7])  # mean over processes
 
 
 def _causal_lm(model: torch.nn.Module, trainer: GRPOTrainer) -> torch.nn.Module:
@@ -699,7 +700,7 @@ def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Ten
         reduction="sum").tolist()
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
-    metrics["kl_adapters/seq_kl"].append(totals[0] / max(totals[2], 1.0))
+    metrics[SEQ_KL].append(totals[0] / max(totals[2], 1.0))
     observe_budget(trainer, "train" if trainer.model.training else "eval", totals[0], totals[2])
     return beta_seq * seq_kl
 

@@ -53,11 +53,12 @@ from torch import Tensor
 
 from .. import activation, native
 from ..activation import ENV_VAR, Settings, parse
-from ..budget import BETA_METRIC, TARGET_METRIC, KLBudget, check_budget_preset
+from ..budget import KLBudget, check_budget_preset
 from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import kl_coefficients, kl_statistics, kl_term, sequence_kl
 from ._guard import UnsupportedFrameworkError, require_version
+from .metrics import BETA, GRAD_WEIGHT_GAP, IS_ESS, KL_TARGET, SEQ_KL
 from .versions import supported_range
 
 #: verl estimator names starting with this select a preset: "kl_adapters:<KL_ADAPTERS value>"
@@ -340,11 +341,11 @@ def _kl_per_token(c: _Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     term = seq_kl[:, None] * mask / lengths + coef * (lp - lp.detach())
     if c.rollout_is_weights is not None:
         term = term * c.rollout_is_weights.detach().to(term.dtype)
-    metrics = {"kl_adapters/seq_kl": seq_kl.mean().item(), "kl_adapters/is_ess": kl.is_ess.item()}
+    metrics = {SEQ_KL: seq_kl.mean().item(), IS_ESS: kl.is_ess.item()}
     if c.native is not None:
         native = kl.coefficients_of(c.native, on_policy=True)
         gap = (native - coef).abs().sum() / coef.abs().sum().clamp(min=1e-30)
-        metrics["kl_adapters/grad_weight_gap"] = gap.item()
+        metrics[GRAD_WEIGHT_GAP] = gap.item()
     return term, {k: Metric(AggregationType.MEAN, v) for k, v in metrics.items()}
 
 
@@ -701,11 +702,11 @@ def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
         data, metrics = apply_kl_penalty(data, kl_ctrl, kl_penalty="k1")
         data.meta_info[_REWARD_BETA], data.meta_info[_REWARD_PRESET] = beta, settings.preset
         batch = data.batch
-        metrics["kl_adapters/seq_kl"] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
+        metrics[SEQ_KL] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
                                                     batch["response_mask"]).mean().item()
         if budget is not None:
             metrics.update(budget.metrics())
-            budget.observe(metrics["kl_adapters/seq_kl"], 1)
+            budget.observe(metrics[SEQ_KL], 1)
             kl_ctrl.value = budget.update()
         return data, metrics
 
@@ -770,7 +771,7 @@ BETA_KEY = "kl_adapters_beta"
 #: the budgets' state in each checkpoint folder (global_step_<n>/, beside verl's data.pt)
 BUDGET_FILE = "kl_adapters_budget.json"
 #: the driver's metric of the update's sequence-KL estimate (the workers' kl_adapters/seq_kl, as verl collects it)
-_SEQ_KL = "actor/kl_adapters/seq_kl"
+_SEQ_KL = f"actor/{SEQ_KL}"
 _BUDGET_ATTR = "_kl_adapters_budget"
 _log = logging.getLogger("kl_adapters")
 
@@ -828,7 +829,7 @@ def _budget_scaled(term: Tensor, metrics: dict) -> Tensor:
     from verl.utils.metric import AggregationType, Metric
 
     beta, coef, target = budget
-    metrics.update({BETA_METRIC: Metric(AggregationType.MEAN, beta), TARGET_METRIC: Metric(AggregationType.MEAN, target)})
+    metrics.update({BETA: Metric(AggregationType.MEAN, beta), KL_TARGET: Metric(AggregationType.MEAN, target)})
     return term * (beta / coef)
 
 

@@ -38,16 +38,12 @@ tests/verl/test_config.py, tests/verl/test_activation.py and tests/verl/test_bud
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
-import logging
 import os
-import sys
 import threading
-import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -58,12 +54,14 @@ from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import kl_coefficients, kl_statistics, kl_term, sequence_kl
 from ._guard import UnsupportedFrameworkError, require_version
+from .patching import Site, install, uninstall
+from .budget_wiring import kept_budget, restore, take_step
+from .end_of_sequence import eos_probabilities
+from .end_of_sequence import eos_token_ids as read_eos_token_ids
 from .metrics import BETA, GRAD_WEIGHT_GAP, IS_ESS, KL_TARGET, SEQ_KL
-from .versions import supported_range
 
 #: verl estimator names starting with this select a preset: "kl_adapters:<KL_ADAPTERS value>"
 PREFIX = "kl_adapters:"
-_ORIGINAL = "__kl_adapters_original__"
 #: DataProto.meta_info key: the KL beta handed from apply_kl_penalty to the advantage step
 _REWARD_BETA = "kl_adapters/reward_beta"
 #: DataProto.meta_info key: the reward-path preset ("reward" or "reward-plain"), handed along with the beta
@@ -522,32 +520,20 @@ _EOS_ROWS: dict[bytes, tuple[Tensor, Tensor]] = {}
 def end_of_sequence_probabilities(logits: Tensor, labels: Tensor, log_probs: Tensor,
                                   eos_ids: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """(pi(EOS | x_<=j) summed over eos_ids, whether labels_j is an EOS id) at every position of one call of verl's
-    logprobs_from_logits(logits [..., V] (already at the rollout temperature), labels [...]) -> log_probs [...].
-
-    No second pass over the vocabulary: log_probs = z_label - logsumexp(z), so log pi(v) = z_v - z_label + log_probs
-    (two gathers per token), as precise as verl's log-probs (float32; bf16 where verl's fallback computes bf16 logits'
-    log_softmax in bf16). Detached, float32. Pinned by tests/verl/test_eos.py::test_eos_probabilities_are_the_softmax
-    and, through the FSDP engine against a separate forward, tests/verl/test_engine.py."""
+    logprobs_from_logits(logits [..., V] (already at the rollout temperature), labels [...]) -> log_probs [...]:
+    `end_of_sequence.eos_probabilities` (two gathers per token, float32, detached). Pinned by
+    tests/verl/test_eos.py::test_eos_probabilities_are_the_softmax and, through the FSDP engine against a separate
+    forward, tests/verl/test_engine.py."""
     import torch
 
-    with torch.no_grad():
-        z, ids = logits.detach(), torch.as_tensor(eos_ids, device=logits.device)
-        shift = log_probs.detach().float() - z.gather(-1, labels[..., None]).squeeze(-1).float()
-        prob = torch.exp(z.index_select(-1, ids).float() + shift[..., None]).sum(-1).clamp(max=1.0)
-        return prob, torch.isin(labels, ids)
+    prob = eos_probabilities(logits, labels, log_probs, eos_ids)
+    return prob, torch.isin(labels, torch.as_tensor(eos_ids, device=labels.device))
 
 
 def eos_token_ids(model_config) -> tuple[int, ...]:
     """The end-of-sequence ids verl's rollout stops at, from the engine's HFModelConfig: its generation config's
     eos_token_id (an id or a list) and its tokenizer's eos_token_id. () when neither is set."""
-    ids: set[int] = set()
-    for value in (getattr(getattr(model_config, "generation_config", None), "eos_token_id", None),
-                  getattr(getattr(model_config, "tokenizer", None), "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return tuple(sorted(ids))
+    return read_eos_token_ids(getattr(model_config, "generation_config", None), getattr(model_config, "tokenizer", None))
 
 
 def _wants_eos(loss_fn) -> bool:
@@ -705,9 +691,7 @@ def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
         metrics[SEQ_KL] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
                                                     batch["response_mask"]).mean().item()
         if budget is not None:
-            metrics.update(budget.metrics())
-            budget.observe(metrics[SEQ_KL], 1)
-            kl_ctrl.value = budget.update()
+            kl_ctrl.value = take_step(budget, metrics[SEQ_KL], metrics)
         return data, metrics
 
     return patched
@@ -772,8 +756,6 @@ BETA_KEY = "kl_adapters_beta"
 BUDGET_FILE = "kl_adapters_budget.json"
 #: the driver's metric of the update's sequence-KL estimate (the workers' kl_adapters/seq_kl, as verl collects it)
 _SEQ_KL = f"actor/{SEQ_KL}"
-_BUDGET_ATTR = "_kl_adapters_budget"
-_log = logging.getLogger("kl_adapters")
 
 
 def check_budget_config(config, loss: Settings | None, reward: Settings | None) -> None:
@@ -838,20 +820,14 @@ def _loss_budget(trainer) -> KLBudget | None:
     kl_loss_type value's kl_target, initial beta = kl_loss_coef; None without a target."""
     actor = trainer.config.actor_rollout_ref.actor
     settings = _loss_settings(actor)
-    if settings is None or settings.kl_target is None:
+    if settings is None:
         return None
-    if _BUDGET_ATTR not in trainer.__dict__:
-        setattr(trainer, _BUDGET_ATTR, KLBudget(settings.kl_target, float(actor.kl_loss_coef)))
-    return getattr(trainer, _BUDGET_ATTR)
+    return kept_budget(trainer, settings.kl_target, lambda: float(actor.kl_loss_coef))
 
 
 def _reward_budget(kl_ctrl, settings: Settings | None) -> KLBudget | None:
     """The reward-path budget, kept on verl's KL controller object (initial beta = its value); None without a target."""
-    if settings is None or settings.kl_target is None:
-        return None
-    if _BUDGET_ATTR not in kl_ctrl.__dict__:
-        setattr(kl_ctrl, _BUDGET_ATTR, KLBudget(settings.kl_target, float(kl_ctrl.value)))
-    return getattr(kl_ctrl, _BUDGET_ATTR)
+    return None if settings is None else kept_budget(kl_ctrl, settings.kl_target, lambda: float(kl_ctrl.value))
 
 
 def _trainer_budgets(trainer) -> dict[str, KLBudget]:
@@ -893,8 +869,7 @@ def _ship_beta(update_actor: Callable) -> Callable:
             raise UnsupportedFrameworkError(f"verl's actor update returned no {_SEQ_KL} metric for the KL budget: this "
                                             "verl code path is not the tested one")
         values = value if isinstance(value, list) else [value]
-        budget.observe(sum(values) / len(values), 1)
-        budget.update()
+        take_step(budget, sum(values) / len(values))
         return output
 
     return patched
@@ -938,12 +913,7 @@ def _load_budgets(load_checkpoint: Callable) -> Callable:
             if os.path.exists(path):
                 with open(path) as f:
                     stored = json.load(f)
-            for name, budget in budgets.items():
-                if name in stored:
-                    budget.load_state_dict(stored[name])
-                else:
-                    _log.warning("kl-adapters: %s holds no %s-path KL budget; it starts from the configured beta %g",
-                                 path, name, budget.beta)
+            restore(budgets, stored, path)
         return output
 
     return patched
@@ -1005,77 +975,52 @@ def _validate_first(validate_config: Callable) -> Callable:
 # ---------------------------------------------------------------------------------------------------- patching
 
 
-@dataclass(frozen=True)
-class _Site:
-    """One verl function to wrap: where it lives, its expected leading parameters, and the wrapper factory."""
-
-    name: str
-    params: tuple[str, ...]
-    wrap: Callable[[Callable], Callable]
-    #: also rebind `from module import name` copies in verl modules already loaded (never for kl_penalty and
-    #: get_policy_loss_fn: losses' copies are the only ones ppo_loss uses; core_algos' serve other paths)
-    everywhere: bool = True
-    #: releases whose function has other leading parameters than 0.9.1's: release -> those parameters
-    params_in: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: the module holding the function when it is not the trigger itself (one the trigger has imported)
-    module: str | None = None
-    #: the class of that module whose method this is (wrapped on the class itself; `everywhere` does not apply)
-    owner: str | None = None
-
-    def expected_params(self, version: str) -> tuple[str, ...]:
-        return self.params_in.get(version, self.params)
-
-
 #: trigger module -> functions patched when it is imported (the same module names are the "verl" triggers of
-#: kl_adapters.activation.ADAPTERS)
-SITES: dict[str, tuple[_Site, ...]] = {
-    "verl.utils.config": (_Site("validate_config", ("config", "use_reference_policy", "use_critic"), _validate_first),),
+#: kl_adapters.activation.ADAPTERS). `everywhere` never for kl_penalty and get_policy_loss_fn: losses' copies are the
+#: only ones ppo_loss uses; core_algos' serve other paths
+SITES: dict[str, tuple[Site, ...]] = {
+    "verl.utils.config": (Site("validate_config", ("config", "use_reference_policy", "use_critic"), _validate_first,
+                                everywhere=True),),
     # verl 0.8.0: get_ppo_ray_runtime_env() takes no config (0.9.0 added it for per-engine env vars)
-    "verl.trainer.constants_ppo": (_Site("get_ppo_ray_runtime_env", ("config",), _forward_env,
-                                         params_in={"0.8.0": ()}),),
+    "verl.trainer.constants_ppo": (Site("get_ppo_ray_runtime_env", ("config",), _forward_env, everywhere=True,
+                                        params_in={"0.8.0": ()}),),
     "verl.workers.utils.losses": (
-        _Site("get_policy_loss_fn", ("name",), _capture_policy_loss, everywhere=False),
-        _Site("kl_penalty", ("logprob", "ref_logprob", "kl_penalty"), _kl_term, everywhere=False),
-        _Site("ppo_loss", ("config", "model_output", "data", "dp_group"), _with_metrics),
-        _Site("make_iterator", ("tensordict", "mini_batch_size", "epochs"), _tag_rows, everywhere=False,
-              module="verl.utils.tensordict_utils"),
+        Site("get_policy_loss_fn", ("name",), _capture_policy_loss),
+        Site("kl_penalty", ("logprob", "ref_logprob", "kl_penalty"), _kl_term),
+        Site("ppo_loss", ("config", "model_output", "data", "dp_group"), _with_metrics, everywhere=True),
+        Site("make_iterator", ("tensordict", "mini_batch_size", "epochs"), _tag_rows,
+             module="verl.utils.tensordict_utils"),
     ),
     # pi(EOS | y_<t) from the logits the FSDP engine's forward already makes (the termination control variate)
     "verl.workers.engine.fsdp.transformer_impl": (
-        _Site("logprobs_from_logits", ("logits", "labels"), _record_eos, everywhere=False),
-        _Site("prepare_model_outputs", ("self", "output", "output_args", "micro_batch", "logits_processor_func"),
-              _eos_outputs, owner="FSDPEngineWithLMHead"),
+        Site("logprobs_from_logits", ("logits", "labels"), _record_eos),
+        Site("prepare_model_outputs", ("self", "output", "output_args", "micro_batch", "logits_processor_func"),
+             _eos_outputs, owner="FSDPEngineWithLMHead"),
     ),
-    "verl.workers.engine_workers": (_Site("infer_batch", ("self", "data"), _keep_eos_rows, owner="TrainingWorker"),),
+    "verl.workers.engine_workers": (Site("infer_batch", ("self", "data"), _keep_eos_rows, owner="TrainingWorker"),),
     "verl.trainer.ppo.ray_trainer": (
-        _Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward),
-        _Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl),
-        *(_Site(name, params, wrap, owner="RayPPOTrainer") for name, params, wrap in (
+        Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward, everywhere=True),
+        Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl, everywhere=True),
+        *(Site(name, params, wrap, owner="RayPPOTrainer") for name, params, wrap in (
             ("_update_actor", ("self", "batch"), _ship_beta), ("_save_checkpoint", ("self",), _save_budgets),
             ("_load_checkpoint", ("self",), _load_budgets))),
     ),
     # the v1 trainer's driver methods (KL budget: beta shipped with each update, its state in the checkpoint)
-    "verl.trainer.ppo.v1.trainer_base": tuple(_Site(name, params, wrap, owner="PPOTrainer") for name, params, wrap in (
+    "verl.trainer.ppo.v1.trainer_base": tuple(Site(name, params, wrap, owner="PPOTrainer") for name, params, wrap in (
         ("_update_actor", ("self", "batch", "metrics"), _ship_beta), ("_save_checkpoint", ("self",), _save_budgets),
         ("_load_checkpoint", ("self",), _load_budgets))),
     # the TransferQueue trainer's advantage step: it broadcasts GRPO's advantage of each session's final output to
     # every row, overwriting what the inner compute_advantage added, so it is wrapped itself. verl 0.9.x: in the v1
     # trainer's utils; verl 0.8.0 (no v1 package): defined in its TransferQueue trainer module main_ppo_sync
     "verl.trainer.ppo.v1.utils": (
-        _Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl),
+        Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl,
+              everywhere=True),
     ),
     "verl.trainer.main_ppo_sync": (
-        _Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl),
+        Site("compute_advantage_for_multi_trajectories", ("data", "batch_keys", "adv_estimator"), _advantage_then_kl,
+              everywhere=True),
     ),
 }
-
-
-def _verl_modules() -> list[types.ModuleType]:
-    return [m for n, m in list(sys.modules.items()) if (n == "verl" or n.startswith("verl.")) and m is not None]
-
-
-def _is_ours(fn: object) -> bool:
-    return isinstance(fn, types.FunctionType) and _ORIGINAL in fn.__dict__
 
 
 def patch(trigger: str) -> None:
@@ -1094,7 +1039,7 @@ def patch(trigger: str) -> None:
     Supported: the releases in versions.TESTED["verl"] (0.9.0, 0.9.1; others raise `UnsupportedFrameworkError` naming
     the range). Their KL code paths were diffed, not only tested: 0.9.0 -> 0.9.1 changes none of the functions patched
     here nor agg_loss / kl_penalty (only GSPO's policy-loss aggregation and profiling, outside the KL paths). verl 0.8.0
-    differs in four places: get_ppo_ray_runtime_env() takes no config (handled: `_Site.params_in`); agg_loss has no
+    differs in four places: get_ppo_ray_runtime_env() takes no config (handled: `Site.params_in`); agg_loss has no
     "token-sum" mode (verl itself raises for it); there is no v1 trainer, its TransferQueue trainer is
     verl.trainer.main_ppo_sync, whose compute_advantage_for_multi_trajectories is wrapped like v1's; and verl/__init__
     does not load ``verl.plugins`` entry points yet (0.9.0 added that), so there only KL_ADAPTERS or
@@ -1105,37 +1050,9 @@ def patch(trigger: str) -> None:
     the driver or in the TaskRunner Ray ships from it), and its unpatched compute_advantage_for_multi_trajectories
     would then overwrite the KL reward-to-go of GRPO's reward path."""
     activation.check_environment()
-    version = require_version("verl")
-    for site in SITES[trigger]:
-        module = sys.modules[site.module or trigger]
-        holder = getattr(module, site.owner) if site.owner else module
-        original = vars(holder).get(site.name) if site.owner else getattr(module, site.name, None)
-        if _is_ours(original):
-            continue
-        params = tuple(inspect.signature(original).parameters) if callable(original) else None
-        expected = site.expected_params(version)
-        if params is None or params[: len(expected)] != expected:
-            raise UnsupportedFrameworkError(
-                f"verl {version}: {module.__name__}.{'.'.join(filter(None, (site.owner, site.name)))}"
-                f"{params or ''} is not the function kl-adapters was tested with ({supported_range('verl')}, "
-                f"parameters {expected})")
-        wrapper = functools.wraps(original)(site.wrap(original))
-        setattr(wrapper, _ORIGINAL, original)
-        targets = _verl_modules() if site.everywhere and not site.owner else [holder]
-        for target in targets:
-            if target is holder or vars(target).get(site.name) is original:
-                setattr(target, site.name, wrapper)
-
-
-def _owners() -> list[type]:
-    """The loaded verl classes whose methods `SITES` wraps."""
-    return [getattr(sys.modules[site.module or trigger], site.owner) for trigger, sites in SITES.items()
-            for site in sites if site.owner and (site.module or trigger) in sys.modules]
+    install("verl", require_version("verl"), trigger, SITES[trigger])
 
 
 def unpatch() -> None:
     """Restore every verl function this adapter wrapped, in every loaded verl module and wrapped class."""
-    for holder in [*_verl_modules(), *_owners()]:
-        for name, value in list(vars(holder).items()):
-            if _is_ours(value):
-                setattr(holder, name, getattr(value, _ORIGINAL))
+    uninstall("verl")

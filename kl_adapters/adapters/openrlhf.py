@@ -6,7 +6,8 @@ Flag: ``--algo.kl.preset <preset>[:is_clip=<c>]`` on ``python -m kl_adapters.ada
 OpenRLHF runs its own code, bit for bit (the patched functions call the originals). Refusals: `check_args`; releases
 and what differs between them: `patch`.
 
-What is patched, at the narrowest points (`patch`; wrappers, no copied code):
+What is patched, at the narrowest points (`SITES`, installed by `patch` through the shared `patching`; wrappers, no copied
+code):
     loss path (PolicyModelActor): ``ActorPPOTrainer.training_step`` (`_wrap_training_step`: hands the KL the batch
         and the optimizer step's normalisers) and ppo_actor.py's binding of ``compute_approx_kl`` (`_wrap_loss_kl`:
         value OpenRLHF's, gradient the preset's)

@@ -1,4 +1,7 @@
-"""One module per framework (trl.py, verl.py, openrlhf.py); each holds all of kl-adapters' knowledge of its framework.
+"""One module per framework (trl.py, the verl/ package, openrlhf.py); each holds all of kl-adapters' knowledge of its
+framework. What they share lives beside them: `patching` (signature-checked wrapping and its undoing),
+`end_of_sequence` (EOS ids, pi(EOS) from logits), `budget_wiring` (the KL budget in a trainer) and `metrics` (the
+kl_adapters/* metric names).
 
 Contract with `kl_adapters.activation`: an adapter module exposes `patch(trigger_module_name)` (idempotent, version-
 and code-path-guarded; patched functions consult `activation.active()` at call time and fall through to the original

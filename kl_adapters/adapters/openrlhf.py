@@ -6,7 +6,8 @@ Flag: ``--algo.kl.preset <preset>[:is_clip=<c>]`` on ``python -m kl_adapters.ada
 OpenRLHF runs its own code, bit for bit (the patched functions call the originals). Refusals: `check_args`; releases
 and what differs between them: `patch`.
 
-What is patched, at the narrowest points (`patch`; wrappers, no copied code):
+What is patched, at the narrowest points (`SITES`, installed by `patch` through the shared `patching`; wrappers, no copied
+code):
     loss path (PolicyModelActor): ``ActorPPOTrainer.training_step`` (`_wrap_training_step`: hands the KL the batch
         and the optimizer step's normalisers) and ppo_actor.py's binding of ``compute_approx_kl`` (`_wrap_loss_kl`:
         value OpenRLHF's, gradient the preset's)
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 import inspect
 import os
 import re
@@ -59,12 +59,12 @@ from ..surrogate import KLTerm, kl_coefficients, kl_reward, kl_term, sequence_kl
 from . import openrlhf_statistics
 from .openrlhf_statistics import EosPayload, RolloutTask, aligned, split_eos
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
-from .versions import supported_range
+from .budget_wiring import kept_budget, restore, take_step
+from .end_of_sequence import eos_probabilities
+from .metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
+from .patching import Site, install, installed, uninstall
 from .openrlhf_cli import FLAG
-
-SEQ_KL = "kl_adapters/seq_kl"
-GRAD_WEIGHT_GAP = "kl_adapters/grad_weight_gap"
-IS_ESS = "kl_adapters/is_ess"
+from .versions import supported_range
 
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
 _PPO_TRAINER = "openrlhf.trainer.ppo_trainer"
@@ -336,7 +336,7 @@ def _wrap_actor_forward(original: Callable) -> Callable:
 
     With actor.py's binding of ``log_probs_from_logits`` (`_wrap_log_probs_from_logits`): from the logits it was given
     and the log-probs it returned, log pi(EOS) = logsumexp(z_EOS) - (z_y - log pi(y))
-    (openrlhf_statistics.eos_probabilities: two gathers), at the rollout temperature, the EOS ids being the model's
+    (`end_of_sequence.eos_probabilities`: two gathers), at the rollout temperature, the EOS ids being the model's
     generation config's and config's. In the training step the probabilities go to the loss (the current policy's, for
     its rows' own control variate). In PolicyModelActor.forward at rollout time (an inference forward) they ride on
     the returned log-probs (openrlhf_statistics.LogProbsWithEos, a tensor subclass that survives its ``.to("cpu")``
@@ -347,7 +347,7 @@ def _wrap_actor_forward(original: Callable) -> Callable:
     def forward(self, sequences, action_mask=None, *args, **kwargs):
         step = _loss_step.get()
         wanted = action_mask is not None and not getattr(self, "packing_samples", False) and _wants_eos(step)
-        ids = openrlhf_statistics.eos_token_ids(self.model) if wanted else []
+        ids = openrlhf_statistics.eos_token_ids(self.model) if wanted else ()
         if not ids:
             return original(self, sequences, action_mask, *args, **kwargs)
         capture = _EosCapture(torch.tensor(ids, device=sequences.device))
@@ -376,7 +376,7 @@ def _wrap_log_probs_from_logits(original: Callable) -> Callable:
         out = original(logits, labels, *args, **kwargs)  # 0.10.4 / 0.11.0 divide the logits by the temperature here
         capture = _eos_capture.get()
         if capture is not None:
-            capture.prob = openrlhf_statistics.eos_probabilities(logits, labels, out, capture.ids)
+            capture.prob = eos_probabilities(logits, labels, out, capture.ids)
         return out
 
     return log_probs_from_logits
@@ -607,13 +607,14 @@ def _budget(trainer: Any) -> KLBudget | None:
     """The single controller's KL budget (initial beta = --algo.kl.init_coef, OpenRLHF's fixed controller's value),
     made at first use; None without kl_target."""
     settings = _settings(trainer.args)
-    if settings is None or settings.kl_target is None:
+    if settings is None:
         return None
-    budget = trainer.__dict__.get(BUDGET_STATE)
-    if budget is None:
+
+    def start() -> float:
         check_args(trainer.args, settings)
-        budget = trainer.__dict__[BUDGET_STATE] = KLBudget(settings.kl_target, float(trainer.kl_ctl.value))
-    return budget
+        return float(trainer.kl_ctl.value)
+
+    return kept_budget(trainer, settings.kl_target, start)
 
 
 def _wrap_train_step(original: Callable) -> Callable:
@@ -642,9 +643,7 @@ def _wrap_train_step(original: Callable) -> Callable:
         if SEQ_KL not in status:
             raise UnsupportedFrameworkError(f"OpenRLHF's train_step returned no {SEQ_KL} for the KL budget: "
                                             f"kl-adapters supports {supported_range('openrlhf')}'s code path only")
-        status.update(budget.metrics())
-        budget.observe(float(status[SEQ_KL]), 1)
-        self.kl_ctl.value = budget.update()
+        self.kl_ctl.value = take_step(budget, float(status[SEQ_KL]), status)
         return status, step
 
     return train_step
@@ -665,14 +664,15 @@ def _wrap_save(original: Callable) -> Callable:
 
 
 def _wrap_init_checkpoint_states(original: Callable) -> Callable:
-    """BasePPOTrainer.init_checkpoint_states (fit's resume): restore the budget from the checkpoint's client_states."""
+    """BasePPOTrainer.init_checkpoint_states (fit's resume): once OpenRLHF resumed (global_step > 0), restore the
+    budget from the checkpoint's client_states; one saved without a budget leaves the configured beta (logged)."""
 
     @functools.wraps(original)
     def init_checkpoint_states(self):
         states = original(self)
         budget = _budget(self)
-        if budget is not None and BUDGET_STATE in states:
-            budget.load_state_dict(states[BUDGET_STATE])
+        if budget is not None and states.get("global_step"):
+            restore({BUDGET_STATE: budget}, states, "OpenRLHF's resumed checkpoint (client_states)")
             self.kl_ctl.value = budget.beta
         return states
 
@@ -698,15 +698,6 @@ def _wrap_hierarchize(original: Callable) -> Callable:
 
 # ---- adapter contract ----------------------------------------------------------------------------------------------
 
-_originals: dict[tuple[object, str], Any] = {}
-
-
-def _replace(owner: object, name: str, wrap: Callable[[Callable], Callable]) -> None:
-    if (owner, name) not in _originals:
-        _originals[(owner, name)] = getattr(owner, name)
-        setattr(owner, name, wrap(_originals[(owner, name)]))
-
-
 #: the first release whose training_step gets the optimizer-step normalisers (loss_batch_info) this adapter relies on
 _FIRST_COMPATIBLE = (0, 10, 4)
 
@@ -719,6 +710,32 @@ def _refuse_incompatible(version: str) -> None:
             f"openrlhf=={version} cannot be patched: before 0.10.4 ActorPPOTrainer.training_step takes no "
             "loss_batch_info and normalises the loss per micro-batch, so the KL scale kl-adapters sets would be wrong "
             f"(not overridable by {ALLOW_UNTESTED_ENV}); kl-adapters supports {supported_range('openrlhf')}")
+
+
+#: trigger module -> what is patched when it is imported (leading parameters common to versions.TESTED["openrlhf"];
+#: compute_approx_kl gained log_probs_old and unbiased_gradient in 0.11.1, `_wrap_loss_kl` reads its own signature)
+SITES: dict[str, tuple[Site, ...]] = {
+    _PPO_ACTOR: (
+        Site("training_step", ("self", "experience", "kl_ctl", "step", "loss_batch_info"), _wrap_training_step,
+             owner="ActorPPOTrainer"),
+        Site("compute_approx_kl", ("log_probs", "log_probs_base"), _wrap_loss_kl),
+        Site("forward", ("self", "sequences", "action_mask"), _wrap_actor_forward, module=_ACTOR, owner="Actor"),
+        Site("log_probs_from_logits", ("logits", "labels"), _wrap_log_probs_from_logits, module=_ACTOR),
+        Site("hierarchize", ("args",), _wrap_hierarchize, module=_CONFIG),
+    ),
+    _PPO_TRAINER: (
+        Site("train_step", ("self", "rollout_samples", "global_step"), _wrap_train_step, owner="BasePPOTrainer"),
+        Site("save_logs_and_checkpoints", ("self", "global_step", "logs_dict", "client_states"), _wrap_save,
+             owner="BasePPOTrainer"),
+        Site("init_checkpoint_states", ("self",), _wrap_init_checkpoint_states, owner="BasePPOTrainer"),
+    ),
+    _EXPERIENCE_MAKER: (
+        Site("make_experience", ("self", "samples_list"), _wrap_make_experience, owner="RemoteExperienceMaker"),
+        Site("compute_advantages_and_returns", ("self", "experiences"), _wrap_compute_advantages,
+             owner="RemoteExperienceMaker"),
+        Site("compute_approx_kl", ("log_probs", "log_probs_base"), _wrap_reward_kl),
+    ),
+}
 
 
 def patch(trigger: str) -> None:
@@ -754,35 +771,18 @@ def patch(trigger: str) -> None:
                           scale would be wrong.
     """
     activation.check_environment()
-    _refuse_incompatible(require_version("openrlhf"))
-    module = sys.modules[trigger]
-    if trigger == _PPO_ACTOR:
-        _replace(module.ActorPPOTrainer, "training_step", _wrap_training_step)
-        _replace(module, "compute_approx_kl", _wrap_loss_kl)
-        actor = importlib.import_module(_ACTOR)
-        _replace(actor.Actor, "forward", _wrap_actor_forward)
-        _replace(actor, "log_probs_from_logits", _wrap_log_probs_from_logits)
-        _replace(importlib.import_module(_CONFIG), "hierarchize", _wrap_hierarchize)
-    elif trigger == _PPO_TRAINER:
-        _replace(module.BasePPOTrainer, "train_step", _wrap_train_step)
-        _replace(module.BasePPOTrainer, "save_logs_and_checkpoints", _wrap_save)
-        _replace(module.BasePPOTrainer, "init_checkpoint_states", _wrap_init_checkpoint_states)
-    elif trigger == _EXPERIENCE_MAKER:
-        _replace(module.RemoteExperienceMaker, "make_experience", _wrap_make_experience)
-        _replace(module.RemoteExperienceMaker, "compute_advantages_and_returns", _wrap_compute_advantages)
-        _replace(module, "compute_approx_kl", _wrap_reward_kl)
-    else:
-        raise ValueError(f"{trigger!r} is not an OpenRLHF module kl-adapters patches ({_PPO_ACTOR}, {_PPO_TRAINER} "
-                         f"or {_EXPERIENCE_MAKER})")
+    version = require_version("openrlhf")
+    _refuse_incompatible(version)
+    if trigger not in SITES:
+        raise ValueError(f"{trigger!r} is not an OpenRLHF module kl-adapters patches ({', '.join(SITES)})")
+    install("openrlhf", version, trigger, SITES[trigger])
 
 
 def unpatch() -> None:
     """Restore every original OpenRLHF function."""
-    for (owner, name), original in _originals.items():
-        setattr(owner, name, original)
-    _originals.clear()
+    uninstall("openrlhf")
 
 
 def patched() -> list[str]:
     """The OpenRLHF attributes currently replaced, as 'owner.name' (for checks inside Ray actors)."""
-    return sorted(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in _originals)
+    return installed("openrlhf")

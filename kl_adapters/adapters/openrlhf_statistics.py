@@ -12,7 +12,7 @@ over the whole rollout (n_samples_per_prompt = 1), with
   * the task term (`TaskAdvantages`): the rows' advantages as the policy loss weighs them, in units of the KL term's
     coefficient (adapters/openrlhf.py says which, path by path);
   * the end-of-sequence probabilities (`EndOfSequence`): pi(EOS | y_<t) read from the logits of the policy's own
-    rollout-time forward (`eos_probabilities`) and carried to make_experience on its result (`LogProbsWithEos`).
+    rollout-time forward (`end_of_sequence.eos_probabilities`) and carried to make_experience on its result (`LogProbsWithEos`).
 Row b's statistics are functions of the other samples only, so every gradient stays exactly unbiased however the rows
 are later split.
 
@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import kl_statistics
+from .end_of_sequence import eos_token_ids as read_eos_token_ids
 
 #: Experience.info keys of one row's statistics (every KLStatistics field); not metrics, removed before OpenRLHF logs
 KEYS = {f.name: f"kl_adapters.{f.name}" for f in fields(KLStatistics)}
@@ -106,29 +107,12 @@ def aligned(mask: Tensor, horizon: int | None = None) -> Aligned:
 # ---- end-of-sequence probabilities -----------------------------------------------------------------------------------
 
 
-def eos_token_ids(model: Any) -> list[int]:
+def eos_token_ids(model: Any) -> tuple[int, ...]:
     """The end-of-sequence ids of an OpenRLHF Actor's model (DeepSpeed's engine / PEFT unwrapped by attribute access):
     its generation config's ``eos_token_id`` (int or list; what vLLM, which OpenRLHF samples with, stops at beside the
-    tokenizer's eos) and its config's. Any fixed set keeps the termination control variate exact (it is zero-mean for
-    the event "y_t is one of these ids"); the stop ids make it effective."""
+    tokenizer's eos) and its config's (`end_of_sequence.eos_token_ids`)."""
     inner = getattr(model, "module", model)
-    ids: set[int] = set()
-    for config in (getattr(inner, "generation_config", None), getattr(inner, "config", None)):
-        value = getattr(config, "eos_token_id", None)
-        ids.update([value] if isinstance(value, int) else (value or []))
-    return sorted(ids)
-
-
-def eos_probabilities(logits: Tensor, labels: Tensor, log_probs: Tensor, eos_ids: Tensor) -> Tensor:
-    """pi(EOS | prefix) [..., S] at every position of `logits` [..., S, V] (summed over `eos_ids`, float32, detached),
-    given log_probs = log softmax(logits) at `labels`, which OpenRLHF's log_probs_from_logits has just computed: the
-    log-normaliser is logits[labels] - log_probs, so two gathers replace a second pass over the vocabulary. The logits
-    are the ones OpenRLHF's log-probs come from, temperature included. Pinned by
-    tests/openrlhf/test_eos.py::test_eos_probabilities_are_a_separate_forwards_softmax."""
-    with torch.no_grad():
-        z = logits.detach()
-        log_norm = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - log_probs.detach().float()
-        return torch.exp(torch.logsumexp(z[..., eos_ids].float(), -1) - log_norm).clamp(0.0, 1.0)
+    return read_eos_token_ids(getattr(inner, "generation_config", None), getattr(inner, "config", None))
 
 
 @dataclass(frozen=True)
@@ -144,7 +128,7 @@ class EosPayload:
 
 
 def action_eos(prob: Tensor, sequences: Tensor, action_mask: Tensor, eos_ids: Tensor) -> EosPayload:
-    """The payload of an Actor.forward: prob [B, S] from `eos_probabilities` over its logits, cut as Actor.forward cuts
+    """The payload of an Actor.forward: prob [B, S] from `end_of_sequence.eos_probabilities` over its logits, cut as Actor.forward cuts
     its log-probs (``[:, :-1]`` then the last T = action_mask width columns), and y_t = sequences[:, -T:] in eos_ids."""
     width = action_mask.shape[1]
     real = action_mask.bool()

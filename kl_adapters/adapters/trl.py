@@ -93,11 +93,17 @@ from ..presets import get_preset
 from ..reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ..surrogate import KLTerm, kl_statistics, kl_term
 from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
+from .budget_wiring import restore
+from .end_of_sequence import eos_token_ids as read_eos_token_ids
+from .end_of_sequence import token_ids
+from .metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
+from .patching import Site, install, uninstall
 
 if TYPE_CHECKING:  # pragma: no cover
     from trl.trainer.grpo_trainer import GRPOTrainer
 
 _GRPO_MODULE = "trl.trainer.grpo_trainer"
+_RLOO_MODULE = "trl.trainer.rloo_trainer"
 logger = logging.getLogger(__name__)
 
 #: loss types whose policy loss is divided by a per-batch constant D, which the KL term shares
@@ -406,12 +412,11 @@ def task_advantages(trainer: GRPOTrainer, inputs: dict, beta: float) -> TaskAdva
     return TaskAdvantages(inputs["advantages"], beta=beta, normalized=advantages_normalized(trainer))
 
 
-def eos_token_ids(trainer: GRPOTrainer) -> list[int]:
+def eos_token_ids(trainer: GRPOTrainer) -> tuple[int, ...]:
     """The ids that end a completion: trl >= 1.14.2 stops generation and the completion mask at any of
     `trainer.eos_token_ids` (the tokenizer's eos_token_id and the generation config's); 1.14.0 / 1.14.1 at the
-    tokenizer's eos_token_id alone."""
-    ids = getattr(trainer, "eos_token_ids", None)
-    return sorted(set(ids)) if ids else [trainer._tokenizer.eos_token_id]
+    tokenizer's eos_token_id alone (`end_of_sequence.token_ids`, `end_of_sequence.eos_token_ids`)."""
+    return token_ids(getattr(trainer, "eos_token_ids", None)) or read_eos_token_ids(trainer._tokenizer)
 
 
 def _head_problem(lm: torch.nn.Module) -> str | None:
@@ -618,10 +623,10 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> Non
     ]).float()).tolist()
     metrics = trainer._metrics[mode]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
-    metrics["kl_adapters/seq_kl"].append(totals[2] / max(totals[3], 1.0))
+    metrics[SEQ_KL].append(totals[2] / max(totals[3], 1.0))
     observe_budget(trainer, mode, totals[2], totals[3])
-    metrics["kl_adapters/grad_weight_gap"].append(totals[4] / totals[5] if totals[5] > 0 else 0.0)
-    metrics["kl_adapters/is_ess"].append(totals[6] / totals[7])  # mean over processes
+    metrics[GRAD_WEIGHT_GAP].append(totals[4] / totals[5] if totals[5] > 0 else 0.0)
+    metrics[IS_ESS].append(totals[6] / totals[7])  # mean over processes
 
 
 def _causal_lm(model: torch.nn.Module, trainer: GRPOTrainer) -> torch.nn.Module:
@@ -699,7 +704,7 @@ def _full_kl(trainer: GRPOTrainer, model, inputs: dict, policy_hidden: torch.Ten
         reduction="sum").tolist()
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     metrics["kl"].append(totals[0] / max(totals[1], 1.0))
-    metrics["kl_adapters/seq_kl"].append(totals[0] / max(totals[2], 1.0))
+    metrics[SEQ_KL].append(totals[0] / max(totals[2], 1.0))
     observe_budget(trainer, "train" if trainer.model.training else "eval", totals[0], totals[2])
     return beta_seq * seq_kl
 
@@ -811,8 +816,9 @@ class KLBudgetCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, **kwargs):
         stored = state.stateful_callbacks.get(type(self).__name__)
         stored = stored[0] if isinstance(stored, list) else stored
-        if stored:  # a fresh run stores the initial state here: loading it changes nothing
-            self.budget.load_state_dict(stored["attributes"]["budget_state"])
+        if stored or state.global_step:  # a fresh run stores the initial state here: loading it changes nothing
+            restore({"budget_state": self.budget}, (stored or {}).get("attributes", {}),
+                    "the checkpoint's trainer_state.json")
 
     def on_step_end(self, args, state, control, **kwargs):
         self.budget.update()
@@ -899,24 +905,6 @@ def _check_rloo(original_init):
     return init
 
 
-_ORIGINAL = "__kl_adapters_original__"
-
-
-def _wrap(owner: type, name: str, make) -> None:
-    current = owner.__dict__[name]
-    if getattr(current, _ORIGINAL, None) is not None:
-        return
-    wrapped = make(current)
-    setattr(wrapped, _ORIGINAL, current)
-    setattr(owner, name, wrapped)
-
-
-def _unwrap(owner: type, name: str) -> None:
-    original = getattr(owner.__dict__.get(name), _ORIGINAL, None)
-    if original is not None:
-        setattr(owner, name, original)
-
-
 def _kl_generate(original):
     @functools.wraps(original)
     def generate_and_score_completions(self, generation_batch):
@@ -933,30 +921,33 @@ def _kl_compute_loss(original):
     return compute_loss
 
 
+#: module -> the TRL methods patched (every release of versions.TESTED["trl"] has these leading parameters)
+SITES: dict[str, tuple[Site, ...]] = {
+    _GRPO_MODULE: (
+        Site("compute_loss", ("self", "model", "inputs", "return_outputs", "num_items_in_batch"), _kl_compute_loss,
+             owner="GRPOTrainer"),
+        Site("_generate_and_score_completions", ("self", "inputs"), _kl_generate, owner="GRPOTrainer"),
+        Site("__init__", ("self", "model", "reward_funcs", "args"), _checked_init, owner="GRPOTrainer"),
+    ),
+    _RLOO_MODULE: (Site("__init__", ("self", "model", "reward_funcs", "args"), _check_rloo, owner="RLOOTrainer"),),
+}
+
+
 def patch(trigger: str) -> None:
     """Install the wrappers (idempotent); they fall through to TRL's code while no preset is set.
 
-    Refuses trl versions outside versions.TESTED, and a refused KL_ADAPTERS (`activation.check_environment`).
-    `trigger` is the TRL module just imported (see activation.ADAPTERS).
+    Refuses trl versions outside versions.TESTED, methods whose signature is not the tested one
+    (`patching.install`), and a refused KL_ADAPTERS (`activation.check_environment`). `trigger` is the TRL module just
+    imported (see activation.ADAPTERS); GRPOTrainer is patched whichever it is, RLOOTrainer once its module is loaded.
     """
     activation.check_environment()
-    require_version("trl")
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    _wrap(GRPOTrainer, "compute_loss", _kl_compute_loss)
-    _wrap(GRPOTrainer, "_generate_and_score_completions", _kl_generate)
-    _wrap(GRPOTrainer, "__init__", _checked_init)
-    rloo = sys.modules.get("trl.trainer.rloo_trainer")
+    version = require_version("trl")
+    install("trl", version, _GRPO_MODULE, SITES[_GRPO_MODULE])
+    rloo = sys.modules.get(_RLOO_MODULE)
     if rloo is not None and hasattr(rloo, "RLOOTrainer"):
-        _wrap(rloo.RLOOTrainer, "__init__", _check_rloo)
+        install("trl", version, _RLOO_MODULE, SITES[_RLOO_MODULE])
 
 
 def unpatch() -> None:
     """Restore TRL's original methods."""
-    grpo = sys.modules[_GRPO_MODULE].GRPOTrainer
-    _unwrap(grpo, "compute_loss")
-    _unwrap(grpo, "_generate_and_score_completions")
-    _unwrap(grpo, "__init__")
-    rloo = sys.modules.get("trl.trainer.rloo_trainer")
-    if rloo is not None:
-        _unwrap(rloo.RLOOTrainer, "__init__")
+    uninstall("trl")

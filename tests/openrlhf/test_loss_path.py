@@ -8,6 +8,7 @@ and behaviour log-probs from a perturbed policy (off-policy from the first step 
 from __future__ import annotations
 
 import copy
+import re
 import importlib.metadata
 
 import pytest
@@ -163,6 +164,27 @@ def test_version_guard(monkeypatch):
     with pytest.warns(RuntimeWarning, match="0.11.3"):
         kl_adapters.enable("sequence")
     assert "ActorPPOTrainer.training_step" in adapter.patched()
+
+
+def test_changed_openrlhf_method_is_refused_and_unpatch_gives_back_openrlhfs_own(monkeypatch):
+    """patching.install checks each method's leading parameters against the ones the adapter was written for and
+    refuses, naming the release, before it replaces any; unpatch sets back OpenRLHF's very objects."""
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    kl_adapters.disable()
+    trainer, step = ppo_actor.ActorPPOTrainer, ppo_actor.ActorPPOTrainer.training_step
+    kl_adapters.enable("sequence")
+    assert trainer.training_step is not step
+    kl_adapters.disable()
+    assert vars(trainer)["training_step"] is step and adapter.patched() == []
+    kl_for_loss = ppo_actor.compute_approx_kl
+    monkeypatch.setattr(trainer, "training_step", lambda self, experience: None)
+    release = importlib.metadata.version("openrlhf")
+    with pytest.raises(UnsupportedFrameworkError, match=re.escape(
+            f"openrlhf {release}: openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step('self', 'experience') "
+            "is not the function kl-adapters was tested with")):
+        adapter.patch("openrlhf.trainer.ray.ppo_actor")
+    assert ppo_actor.compute_approx_kl is kl_for_loss and adapter.patched() == []
 
 
 def test_releases_before_0_10_4_are_refused_even_when_overridden(monkeypatch):

@@ -65,3 +65,34 @@ def test_enable_disable_round_trip():
     kl_adapters.disable()
     assert not hasattr(GRPOTrainer.compute_loss, "__kl_adapters_original__")
     adapter.patch("trl.trainer.grpo_trainer")  # leave the suite's state as the config field leaves it
+
+
+def test_changed_trl_method_is_refused_before_anything_is_patched(monkeypatch):
+    """patching.install checks every method's leading parameters against the ones the adapter was written for and
+    refuses, naming the release, before it replaces any (GRPOTrainer.__init__ stays TRL's)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    adapter.unpatch()
+    init = GRPOTrainer.__init__
+    monkeypatch.setattr(GRPOTrainer, "compute_loss", lambda self, inputs: None)
+    release = importlib.metadata.version("trl")
+    with pytest.raises(_guard.UnsupportedFrameworkError, match=re.escape(
+            f"trl {release}: trl.trainer.grpo_trainer.GRPOTrainer.compute_loss('self', 'inputs') is not the function "
+            "kl-adapters was tested with")):
+        adapter.patch("trl.trainer.grpo_trainer")
+    assert GRPOTrainer.__init__ is init
+    monkeypatch.undo()
+    adapter.patch("trl.trainer.grpo_trainer")  # leave the suite's state as the config field leaves it
+
+
+def test_unpatch_gives_back_trls_own_objects():
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    adapter.unpatch()
+    names = [site.name for site in adapter.SITES["trl.trainer.grpo_trainer"]]
+    originals = {name: vars(GRPOTrainer)[name] for name in names}
+    adapter.patch("trl.trainer.grpo_trainer")
+    assert all(vars(GRPOTrainer)[name] is not original for name, original in originals.items())
+    adapter.unpatch()
+    assert all(vars(GRPOTrainer)[name] is original for name, original in originals.items())
+    adapter.patch("trl.trainer.grpo_trainer")

@@ -63,6 +63,7 @@ from kl_adapters import (  # noqa: E402
     per_sequence_beta,
 )
 from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
+from kl_adapters.adapters.verl import loss as verl_loss  # noqa: E402
 
 COEF, MINI, MICRO = 0.5, 8, 4
 
@@ -137,7 +138,7 @@ def primed_eos(worker, loss_fn, path):
     worker.set_loss_fn(loss_fn)
     log_probs(worker)
     eos_prob, is_eos = separate_eos(path)
-    kept = verl_adapter._stored_eos(batch(), R)  # what the update will find (emptied: filled again below)
+    kept = verl_loss._stored_eos(batch(), R)  # what the update will find (emptied: filled again below)
     kept_error = None if kept is None else float((kept.prob.cpu() - eos_prob).abs().max())
     assert kept is None or torch.equal(kept.is_eos.cpu(), is_eos)
     return log_probs(worker), EndOfSequence(eos_prob, is_eos, R), kept_error
@@ -149,7 +150,7 @@ def capturing(config):
 
     def loss(config, model_output, data, dp_group=None):
         prob = no_padding_2_padding(model_output[verl_adapter.EOS_PROB], data).detach().cpu()
-        captured.append((data[verl_adapter._ROW].cpu(), prob))
+        captured.append((data[verl_loss._ROW].cpu(), prob))
         return losses.ppo_loss(config, model_output, data, dp_group)
 
     return partial(loss, config=config), captured

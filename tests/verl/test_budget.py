@@ -17,6 +17,7 @@ from test_config import BASE, compose
 from verl_cases import B, Case, actor_config, make_tokens
 
 from kl_adapters.adapters import verl as verl_adapter
+from kl_adapters.adapters.verl import kl_budget as verl_budget
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
 from kl_adapters.budget import KLBudget
 
@@ -182,7 +183,7 @@ def test_driver_ships_beta_updates_it_and_checkpoints_it(v1, tmp_path):
         assert beta == pytest.approx(replay.beta, rel=1e-12)  # each update carried the budget's beta
         replay.observe(kl, 1)  # the mean over the update's mini-batches
         replay.update()
-    budget = verl_adapter._loss_budget(trainer)
+    budget = verl_budget._loss_budget(trainer)
     assert budget.steps == 3 and budget.beta == pytest.approx(replay.beta)
 
     trainer._save_checkpoint()
@@ -191,7 +192,7 @@ def test_driver_ships_beta_updates_it_and_checkpoints_it(v1, tmp_path):
     resumed = trainer_of(v1, config, [])
     resumed._load_checkpoint()  # resume_mode=auto: verl finds global_step_3 from latest_checkpointed_iteration.txt
     assert resumed.global_steps == 3 and ("load", os.path.join(folder, "actor")) in resumed.actor_rollout_wg.paths
-    assert verl_adapter._loss_budget(resumed).state_dict() == budget.state_dict()
+    assert verl_budget._loss_budget(resumed).state_dict() == budget.state_dict()
 
 
 def test_reward_path_beta_follows_the_budget():

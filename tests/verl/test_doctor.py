@@ -14,6 +14,7 @@ import torch
 
 from kl_adapters import activation, native
 from kl_adapters.adapters import verl as adapter
+from kl_adapters.adapters.verl import flags as verl_flags
 from kl_adapters.cli import main
 from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
 from kl_adapters.doctor.verl import compose
@@ -46,7 +47,7 @@ def test_mapping_is_verls_own_gradient(name):
     mask = torch.ones(3, 5, dtype=torch.bool)
     (weight,) = torch.autograd.grad(core_algos.kl_penalty(logp, ref, name).sum(), logp)
     preset = native.verl_loss(name).preset
-    assert adapter._native_preset(name) == preset
+    assert verl_flags._native_preset(name) == preset
     expected = kl_term(logp.detach(), ref, mask, preset=preset).coefficients
     torch.testing.assert_close(weight, expected.to(weight.dtype), rtol=1e-6, atol=1e-9)
 

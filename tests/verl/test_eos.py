@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kl_adapters.adapters import verl as verl_adapter
+from kl_adapters.adapters.verl import eos as verl_eos
+from kl_adapters.adapters.verl.state import worker_state
 
 
 def verl_log_probs(logits, labels):
@@ -43,12 +45,13 @@ def test_the_wrapped_log_probs_are_verls():
 
     logits = torch.randn(12, 31, generator=torch.Generator().manual_seed(1), requires_grad=True)
     labels = torch.arange(12) % 31
-    verl_adapter._local.eos_ids = (3,)
+    state = worker_state()
+    state.eos_ids = (3,)
     try:
         ours = transformer_impl.logprobs_from_logits(logits, labels)
-        record = verl_adapter._local.eos_record
+        record = state.eos_record
     finally:
-        verl_adapter._local.eos_ids = verl_adapter._local.eos_record = None
+        state.eos_ids = state.eos_record = None
     theirs = verl_log_probs(logits, labels)
     assert torch.equal(ours, theirs) and record is not None
     (g_ours,) = torch.autograd.grad(ours.sum(), logits)
@@ -75,9 +78,9 @@ def test_only_a_reduced_preset_asks_for_them():
     from verl.workers.utils import losses
 
     def wants(**config):
-        return verl_adapter._wants_eos(functools.partial(losses.ppo_loss, config=actor_config(**config)))
+        return verl_eos._wants_eos(functools.partial(losses.ppo_loss, config=actor_config(**config)))
 
     assert wants(kl_loss_type="kl_adapters:sequence") and wants(kl_loss_type="kl_adapters:reward")
     assert not wants(kl_loss_type="kl_adapters:sequence-plain") and not wants(kl_loss_type="low_var_kl")
     assert not wants(kl_loss_type="kl_adapters:sequence", use_kl_loss=False)
-    assert not verl_adapter._wants_eos(None) and not verl_adapter._wants_eos(lambda **kw: None)
+    assert not verl_eos._wants_eos(None) and not verl_eos._wants_eos(lambda **kw: None)

@@ -125,11 +125,11 @@ class RestartingWorker:
         and the verl functions left wrapped."""
         import sys
 
-        from kl_adapters.adapters import verl as adapter
+        from kl_adapters.adapters.patching import is_ours
 
         error = import_as_release("verl.workers.utils.losses", "verl", reported)
         wrapped = [f"{name}.{attr}" for name, module in list(sys.modules.items()) if name.startswith("verl")
-                   and module is not None for attr, value in list(vars(module).items()) if adapter._is_ours(value)]
+                   and module is not None for attr, value in list(vars(module).items()) if is_ours(value)]
         return {"error": error, "wrapped": wrapped}
 
 

@@ -18,6 +18,7 @@ from verl_cases import B, Case, R, actor_config, flat_grad, flat_log_probs, flat
 
 from kl_adapters import SAMPLED_TOKEN_PRESETS, activation, kl_statistics, kl_surrogate, per_sequence_beta, sequence_kl
 from kl_adapters.adapters import verl as verl_adapter
+from kl_adapters.adapters.verl import loss as verl_loss
 
 #: verl 0.8.0's agg_loss has no "token-sum" mode (verl raises ValueError for it; 0.9.0 added it, times dp_size)
 TOKEN_SUM = pytest.mark.skipif(importlib.metadata.version("verl") == "0.8.0", reason="verl 0.8.0 has no token-sum")
@@ -238,7 +239,7 @@ def shuffled_update_grads(case: Case, config, *, uid=None, mini_batch: int = 2, 
     for part in tu.make_iterator(data, mini_batch_size=mini_batch, epochs=1, seed=0,
                                  dataloader_kwargs={"shuffle": True}):
         if untag:
-            part = part.exclude(verl_adapter._ROW)
+            part = part.exclude(verl_loss._ROW)
         outputs = flat_outputs(case.model, part) if eos else {"log_probs": flat_log_probs(case.model, part)}
         loss, _ = losses.ppo_loss(config, outputs, part)
         total = total + flat_grad(loss, case.model)

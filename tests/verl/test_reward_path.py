@@ -19,6 +19,7 @@ from verl_cases import Case, actor_config
 
 from kl_adapters import TaskAdvantages, activation, kl_coefficients, kl_reward, per_sequence_beta
 from kl_adapters.adapters import verl as verl_adapter
+from kl_adapters.adapters.verl import reward as verl_reward
 
 BETA = 0.1
 G = 4  # responses per prompt
@@ -101,8 +102,8 @@ def test_reward_kl_added_after_grpo_normalisation(case, site, estimator, norm, n
     by a std over rows including the row, or only shifted), read from the estimator's own arguments. On this small
     batch both flags can give the same coefficients, so the flag the core receives is also checked directly."""
     handed = []
-    core = verl_adapter.kl_coefficients
-    monkeypatch.setattr(verl_adapter, "kl_coefficients", lambda *a, **kw: handed.append(kw["task"]) or core(*a, **kw))
+    core = verl_reward.kl_coefficients
+    monkeypatch.setattr(verl_reward, "kl_coefficients", lambda *a, **kw: handed.append(kw["task"]) or core(*a, **kw))
     ours, metrics = run(site, "kl_adapters:reward", estimator, case, norm=norm)
     scores_only, _ = run(site, None, estimator, case, norm=norm)
     expected = scores_only.batch["advantages"] + kl_to_go(case, scores_only, normalized)

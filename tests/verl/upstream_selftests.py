@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "patches"))
 import release  # noqa: E402  (patches/release.py: download and unpack helpers)
 
-#: strings whose presence in a test file means it exercises code the adapter patches (verl.py's SITES)
+#: strings whose presence in a test file means it exercises code the adapter patches (kl_adapters.adapters.verl.SITES)
 TOUCHES = ("workers.utils.losses", "ppo_loss", "kl_penalty", "ray_trainer", "apply_kl_penalty", "compute_advantage",
            "ppo.v1", "main_ppo_sync", "constants_ppo", "get_ppo_ray_runtime_env", "utils.config", "validate_config",
            "tensordict_utils", "make_iterator", "engine.fsdp", "transformer_impl", "logprobs_from_logits",

@@ -11,27 +11,19 @@ from __future__ import annotations
 from contextlib import contextmanager
 from collections.abc import Iterator
 
-import torch
-
-import kl_adapters.reductions as reductions
+from kl_adapters.reductions import ReductionConfig, reduction_config
 
 FIELDS = ("cv_coef", "eos_coef", "past_coef", "baseline")
+#: the `ReductionConfig` switch of each statistic
+SWITCHES = {"cv_coef": "control_variate", "eos_coef": "termination", "past_coef": "past_kl", "baseline": "baseline"}
 
 
 @contextmanager
 def zeroed(names: tuple[str, ...] | list[str]) -> Iterator[None]:
-    """Within the block, reductions.batch_statistics returns its statistics with the named fields set to zero."""
+    """Within the block, the fit returns its statistics with the named fields set to zero (their `ReductionConfig`
+    switches off)."""
     unknown = [n for n in names if n not in FIELDS]
     if unknown:
         raise ValueError(f"unknown statistics {unknown}; choose from {', '.join(FIELDS)}")
-    fitted = reductions.batch_statistics
-
-    def batch_statistics(*args, **kwargs):
-        stats = fitted(*args, **kwargs).as_dict()
-        return reductions.KLStatistics(**{k: torch.zeros_like(v) if k in names else v for k, v in stats.items()})
-
-    reductions.batch_statistics = batch_statistics
-    try:
+    with reduction_config(ReductionConfig(**{SWITCHES[n]: False for n in names})):
         yield
-    finally:
-        reductions.batch_statistics = fitted

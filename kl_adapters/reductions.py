@@ -52,11 +52,16 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
      tokens beyond the per-position means (`fit_shrinkage`): a row with fewer than two other rows with tokens gets 0,
      the plain form, and a tiny group only a fraction of its fit (measured on groups of 3-4 three-token completions:
      docs/variance.md, exact tiny batches).
+`ReductionConfig` names each prior and switches each part (the defaults: the above); `reduction_config` sets one for a
+block (ablations: bench/zeroed_statistics.py, tests/core/test_reduction_benefit.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -65,21 +70,97 @@ from torch import Tensor
 
 from .estimators import as_float, capped, reverse_cumsum
 
+# The fit's priors (the defaults of `ReductionConfig`). Every one but VARIANCE_FLOOR may take any value with the
+# expected gradient exact (each acts on functions of the other rows, or for the fade on the row's own prefix): they
+# trade the fit's noise against its reach, and change the variance only (tests/core/test_reduction_config.py).
 #: standard errors by which the other rows' sum of xi must fall below 0 to count as an unseen upper tail (`unseen_tail`)
 TAIL_Z = 2.0
-#: prior weight, in tokens, of a~ = 0 (the plain k1 return) against the fitted token-level coefficient
+#: prior weight, in tokens, of a~ = 0 (the plain k1 return) against the fitted token-level coefficient; it shows only
+#: where the joint fit's control-variate coefficient is clamped (the fit rescales a~ Q freely otherwise)
 CV_PRIOR_TOKENS = 4.0
-#: smallest prefix weight, relative to the row's largest, that `relative_returns` divides by (log scale)
+#: smallest prefix weight, relative to the row's largest, that `relative_returns` divides by (log scale). Condition
+#: of correct returns, not of exactness: a row's returns are exact where its prefix weights lie within e^floor of its
+#: largest, and finite while e^-floor times the returns stays inside float32's range (-88.7 < floor)
 LOG_RELATIVE_WEIGHT_FLOOR = -60.0
 #: ridge of the joint fit, relative to each feature's variance, in tokens
 JOINT_PRIOR_TOKENS = 4.0
 #: prior weight, in degrees of freedom (other rows' tokens beyond the per-position means), of the plain form against
 #: a row's fitted statistics (`fit_shrinkage`)
 FIT_PRIOR_DOF = 8.0
-#: |log w_{1:t-1}| up to which a row's own baseline term is kept whole off-policy (`fade_baseline_`)
+#: |log w_{1:t-1}| up to which a row's own baseline term is kept whole off-policy (`fade_baseline_`, `weight_fade`)
 BASELINE_FREE_LOG_WEIGHT = 4.0
-#: a feature of the joint fit whose centred variance is below this fraction of its raw second moment is left out
+#: a feature of the joint fit whose centred variance is below this fraction of its raw second moment is left out.
+#: Condition of exactness (`_joint_fit`): above the relative rounding of the leave-one-out variance (a group total
+#: minus the row's own terms), and below the relative variance of a feature worth fitting
 VARIANCE_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class ReductionConfig:
+    """The fit's priors and a switch for each of its parts; the defaults are the presets' behaviour.
+
+    Every setting keeps the expected gradient exact (each is a function of the other rows, or of the row's own prefix
+    for the fade), except a `variance_floor` at rounding level (`_joint_fit`: the condition of exactness there); they
+    change the variance only. Set one for a block with `reduction_config` (ablations, benchmarks); the loss reads the
+    active one (`active_reduction_config`).
+
+    Priors (module constants of the same name in capitals):
+    tail_z                    `unseen_tail`'s threshold, in standard errors of the other rows' sum of xi
+    cv_prior_tokens           prior weight, in tokens, of a~ = 0 in the token-level regression (`token_coefficients`)
+    joint_prior_tokens        the joint fit's ridge relative to each feature's variance, in tokens (`_joint_fit`)
+    fit_prior_dof             `fit_shrinkage`'s prior, in degrees of freedom (0: no shrinkage where dof > 0)
+    variance_floor            `_joint_fit`'s floor on a feature's centred variance relative to its raw second moment
+    log_relative_weight_floor `relative_returns`' floor on a prefix weight relative to the row's largest (log scale)
+    baseline_free_log_weight  `fade_baseline_`'s free range of |log w_{1:t-1}|
+    Switches (False: the part is off):
+    fit                       every fitted statistic (False: all zero, the plain form exactly; eos_count is kept)
+    control_variate, termination, past_kl, baseline
+                              one statistic each (cv_coef a, eos_coef h, past_coef lambda, baseline m): False sets it
+                              to zero after the fit, the others as fitted (bench/zeroed_statistics.py)
+    task                      fit to the trainer's task + KL gradient (False: to the KL term alone, task ignored)
+    unseen_tail               count xi's unseen upper tail (`unseen_tail`) in a~ and in the joint fit
+    james_stein               shrink the per-position means m (`_james_stein`; False: the means themselves)
+    off_policy_task_weight    weigh the advantages by `off_policy_task_weight` off-policy (False: weight 1)
+    baseline_fade             `fade_baseline_` off-policy (False: the baseline term whole)
+    """
+
+    tail_z: float = TAIL_Z
+    cv_prior_tokens: float = CV_PRIOR_TOKENS
+    joint_prior_tokens: float = JOINT_PRIOR_TOKENS
+    fit_prior_dof: float = FIT_PRIOR_DOF
+    variance_floor: float = VARIANCE_FLOOR
+    log_relative_weight_floor: float = LOG_RELATIVE_WEIGHT_FLOOR
+    baseline_free_log_weight: float = BASELINE_FREE_LOG_WEIGHT
+    fit: bool = True
+    control_variate: bool = True
+    termination: bool = True
+    past_kl: bool = True
+    baseline: bool = True
+    task: bool = True
+    unseen_tail: bool = True
+    james_stein: bool = True
+    off_policy_task_weight: bool = True
+    baseline_fade: bool = True
+
+
+_ACTIVE: ContextVar[ReductionConfig] = ContextVar("kl_adapters_reduction_config", default=ReductionConfig())
+
+
+def active_reduction_config() -> ReductionConfig:
+    """The `ReductionConfig` in effect (the defaults outside any `reduction_config` block)."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def reduction_config(config: ReductionConfig) -> Iterator[ReductionConfig]:
+    """Within the block (this thread / task), the fit uses `config`."""
+    if not isinstance(config, ReductionConfig):
+        raise TypeError(f"reduction_config takes a ReductionConfig, got {type(config).__name__}")
+    token = _ACTIVE.set(config)
+    try:
+        yield config
+    finally:
+        _ACTIVE.reset(token)
 
 
 @dataclass(frozen=True)
@@ -96,8 +177,10 @@ class TaskAdvantages:
     Row b's statistics use the other rows' advantages only after removing their common shift (their mean over the
     other rows of b's group), so advantages may be centred by a group mean that includes row b (GRPO, RLOO).
     normalized=True: they were also divided by a standard deviation over rows that include b (GRPO's group std,
-    whitening); the other rows' advantages are then standardised among themselves and taken at unit scale. Either way
-    the statistics stay functions of the other rows: the expected gradient is exact (tests/core/test_batch_exactness.py).
+    whitening); the other rows' advantages are then standardised among themselves and taken at unit scale, and left
+    out where they all tie (`_task_scale`). Either way the statistics are invariant to the shift and scale of the
+    normalisation, so they stay functions of the other rows: the expected gradient is exact
+    (tests/core/test_batch_exactness.py, tests/core/test_normalized_advantages_exactness.py).
     Within a `group`, the rows must share the advantages' normalisation (pass GRPO prompt ids as `group`).
     """
 
@@ -251,7 +334,8 @@ def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None, discount: 
     if log_rho is None:
         return reverse_cumsum(x, discount) * mask[:, None]
     log_w = log_rho.cumsum(-1)
-    rel = torch.exp((log_w - log_w.max(-1, keepdim=True).values).clamp(min=LOG_RELATIVE_WEIGHT_FLOOR))[:, None]
+    floor = active_reduction_config().log_relative_weight_floor
+    rel = torch.exp((log_w - log_w.max(-1, keepdim=True).values).clamp(min=floor))[:, None]
     return reverse_cumsum(rel * x, discount) / rel * mask[:, None]
 
 
@@ -259,7 +343,8 @@ def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
     """clamp(num / den, 0, 1) * tokens / (tokens + CV_PRIOR_TOKENS) for num = -sum k1 xi, den = sum xi^2; 0 where
     den = 0. -k1 xi >= 0 always (k1 and xi have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
     (xi = -k1 + O(k1^2)). An overflowed xi (inf / inf) gives 0, the plain k1 return."""
-    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0) * tokens / (tokens + CV_PRIOR_TOKENS)
+    prior = active_reduction_config().cv_prior_tokens
+    ratio = torch.nan_to_num(num / den, nan=0.0).clamp(0.0, 1.0) * tokens / (tokens + prior)
     return torch.where(den > 0, ratio, torch.zeros_like(ratio))
 
 
@@ -303,6 +388,13 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     """
     out_dtype, dtype = mask.dtype, torch.float64
     batch, width = mask.shape
+    config = active_reduction_config()
+    if not config.fit:
+        zero = torch.zeros(batch, dtype=out_dtype, device=mask.device)
+        counts = torch.zeros_like(mask) if counts is None else counts
+        return KLStatistics(zero, zero, zero, torch.zeros_like(mask), counts)
+    if not config.task:
+        task = None
     alpha = None if task is None else task.advantages
     faded = alpha is not None and task_weight is not None
     # the channels present in this batch: P, the task (times its weight f, and f itself: y's shift term scale mu f),
@@ -343,29 +435,31 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
         lin[:, row, names.index(n)] = factor[n]
     moments = lin @ centred @ lin.transpose(1, 2)
     raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
-    if tail is not None and "xi" in features:
+    if tail is not None and "xi" in features and config.unseen_tail:
         _add_unseen_tail(moments, raw, 1 + features.index("xi"), cv_scale.to(dtype), tail, alpha is not None)
     tokens = count.sum(-1)
     dof = tokens - (count > 0).sum(-1)  # sum_t max(n_{b,t} - 1, 0): the counts are whole numbers
-    theta = _joint_fit(moments, raw, tokens)
+    theta = _joint_fit(moments, raw, tokens, config)
     coef = lin[:, 0] + (theta[:, :, None] * lin[:, 1:]).sum(1)  # z = coef . channels (+ scale mu, unless faded)
     mean = torch.bmm(coef[:, None], s_f)[:, 0].mul_(root)
     if not faded:
         mean.add_((weight * inv_w).mul_((scale * mu)[:, None]))
     var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
-    baseline = _james_stein(mean, var_z, weight, count, tokens, dof)
+    baseline = _james_stein(mean, var_z, weight, count, tokens, dof) if config.james_stein else mean
     fitted = dict(zip(features, theta.unbind(-1)))
     zero = torch.zeros(batch, dtype=dtype, device=mask.device)
     cv_coef = fitted["resample"] if "resample" in fitted else fitted.get("xi", zero) * cv_scale.to(dtype)
     eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
-    values = (cv_coef, eos_coef, fitted["past"], baseline)
+    values = tuple(x if on else torch.zeros_like(x) for x, on in (
+        (cv_coef, config.control_variate), (eos_coef, config.termination), (fitted["past"], config.past_kl),
+        (baseline, config.baseline)))
     # every statistic is scaled by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows' tokens left
     # after the per-position means (0 with fewer than two other rows with tokens: the plain form): a fit to a handful of
     # tokens adds more noise than it removes (`fit_shrinkage`); far off-policy (weights past float64's range) a fit can
     # overflow: its statistics are then 0, the plain form, and the baseline is held within +-(working dtype max)^(1/4)
     # so that the row's own capped w_{1:t} times it stays finite
     # (tests/trl/test_faults.py::test_overflowing_importance_weights_stay_finite); all functions of the other rows
-    shrink = _shrinkage(dof)
+    shrink = _shrinkage(dof, config.fit_prior_dof)
     bound = torch.finfo(out_dtype).max ** 0.25
     return KLStatistics(*((x * (shrink if x.dim() == 1 else shrink[:, None])).nan_to_num_(0.0, 0.0, 0.0)
                           .clamp_(-bound, bound).to(out_dtype) for x in values),
@@ -399,21 +493,29 @@ def fit_shrinkage(count: Tensor) -> Tensor:
     Adding f x (a fitted reduction) changes the variance by 2 f Cov + f^2 Var: with few tokens the fit's own noise
     (Var) outweighs what it removes, and a small f keeps the first-order gain (measured: docs/variance.md). Pinned by
     tests/core/test_statistics.py::test_small_fits_are_shrunk_toward_the_plain_form."""
-    return _shrinkage((count - 1).clamp(min=0).sum(-1))
+    return _shrinkage((count - 1).clamp(min=0).sum(-1), active_reduction_config().fit_prior_dof)
 
 
-def _shrinkage(dof: Tensor) -> Tensor:
-    """`fit_shrinkage` from dof [B]."""
-    return torch.where(dof > 0, dof / (dof + FIT_PRIOR_DOF), 0.0)
+def _shrinkage(dof: Tensor, prior: float) -> Tensor:
+    """`fit_shrinkage` from dof [B] and the prior (`ReductionConfig.fit_prior_dof`)."""
+    return torch.where(dof > 0, dof / (dof + prior), 0.0)
 
 
 def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Tensor, same: Tensor | None
                 ) -> tuple[Tensor, Tensor]:
     """(scale_b, mu_b) [B]: the other rows' advantages A enter the fit in KL units as scale_b (A - mu_b), mu_b their
     mean over the other rows' tokens (a shift common to the group cancels exactly); scale_b = 1 / beta_b, or with
-    `normalized` 1 / (beta_b x their standard deviation) (a scale common to the group cancels too: unit-scale
-    advantages). A variance at rounding level (equal advantages) would carry the row's own rounding: scale 0 there.
-    (1, 0) without a task. In float64 (advantages: float64, zero at padding; mask: 0/1 in any floating dtype)."""
+    `normalized` 1 / (beta_b sigma_b), sigma_b their standard deviation over the other rows' tokens (a scale common to
+    the group cancels too: unit-scale advantages). (1, 0) without a task. In float64 (advantages: float64, zero at
+    padding; mask: 0/1 in any floating dtype).
+
+    Condition of exactness with `normalized`: GRPO's A_j = (r_j - mean r) / (std r + eps) over a group that includes
+    row b is a positive affine map of the other rows' rewards whose shift and scale depend on row b's reward, so row
+    b's statistics must be invariant to that map, including the decision to drop the task. scale_b (A - mu_b) is
+    invariant; the only degenerate case, the other rows' advantages all equal (sigma_b = 0, scale 0: no task), is
+    decided by exact comparison (`_others_tied`), never by comparing sigma_b^2 to a threshold: any threshold relative to
+    the mean square of A (the former VARIANCE_FLOOR test) moves with the shift, i.e. with row b's reward, and biased
+    the gradient where the other rows' rewards nearly tie (tests/core/test_normalized_advantages_exactness.py)."""
     ones = torch.ones(mask.shape[0], dtype=torch.float64, device=mask.device)
     if task is None:
         return ones, torch.zeros_like(ones)
@@ -424,22 +526,50 @@ def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Te
     mu = tot[:, 0] / tokens
     if not task.normalized:
         return beta.reciprocal(), mu
-    mean_sq = tot[:, 1] / tokens
-    var = (mean_sq - mu.square()).clamp(min=0.0)
+    var = (tot[:, 1] / tokens - mu.square()).clamp(min=0.0)
     tiny = torch.finfo(torch.float64).tiny
-    return torch.where(var > VARIANCE_FLOOR * mean_sq, (beta * var.sqrt()).clamp(min=tiny).reciprocal(), 0.0), mu
+    spread = ~_others_tied(advantages, mask, same) & (var > 0)  # (var rounded to 0 without a tie: no usable scale)
+    return torch.where(spread, (beta * var.sqrt()).clamp(min=tiny).reciprocal(), 0.0), mu
 
 
-def _joint_fit(moments: Tensor, raw: Tensor, tokens: Tensor) -> Tensor:
+def _others_tied(values: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
+    """[B] bool: the other rows of row b's group hold one value at all their real tokens (or have none), by exact
+    comparison of their largest and smallest values: a function of the other rows' values alone, not of sums that
+    include row b's (values [B, T], mask 0/1, same: dense group ids or None)."""
+    real = mask != 0
+    extremes = torch.stack((values.masked_fill(~real, -torch.inf).amax(-1),
+                            values.masked_fill(~real, torch.inf).amin(-1).neg_()), 1)
+    largest, minus_smallest = _others_max(extremes, same).unbind(1)
+    return largest <= -minus_smallest
+
+
+def _others_max(x: Tensor, same: Tensor | None) -> Tensor:
+    """[B, k] the largest x over the other rows of row b's group, per column (-inf if none), from the group's largest
+    and second largest values (x [B, k], -inf for rows without tokens; no host synchronisation)."""
+    ids = torch.zeros(x.shape[0], dtype=torch.long, device=x.device) if same is None else same
+    spread = ids[:, None].expand_as(x)
+    floor = torch.full_like(x, -torch.inf)
+    first = floor.scatter_reduce(0, spread, x, "amax")[ids]
+    top = x == first
+    unique = torch.zeros_like(x).index_add_(0, ids, as_float(top, x.dtype))[ids] == 1
+    second = floor.scatter_reduce(0, spread, x.masked_fill(top, -torch.inf), "amax")[ids]
+    return torch.where(top & unique, second, first)
+
+
+def _joint_fit(moments: Tensor, raw: Tensor, tokens: Tensor, config: ReductionConfig) -> Tensor:
     """[B, k] coefficients minimising y + theta . x in the omega-weighted, per-position centred least squares given
-    by moments [B, k + 1, k + 1] of (y, x); a ridge of JOINT_PRIOR_TOKENS / tokens times each feature's variance, and
+    by moments [B, k + 1, k + 1] of (y, x); a ridge of `joint_prior_tokens` / tokens times each feature's variance, and
     every coefficient clamped to [0, 1] (0: the plain form's choice). A feature whose centred variance is below
-    VARIANCE_FLOOR times its raw second moment `raw` [B, k] gets 0: the leave-one-out sums are group totals minus the
-    row's own terms, so a variance at rounding level would carry the row's own rounding (and bias the gradient)."""
+    `variance_floor` times its raw second moment `raw` [B, k] gets 0. Condition of exactness: the leave-one-out sums
+    are group totals minus the row's own terms, so where the other rows' variance is 0 (their feature equal, e.g.
+    the same prefix) the computed one is the rounding of row b's own terms, and a coefficient fitted to it depends on
+    row b; the floor must lie above that rounding (a floor of 0 biases the gradient:
+    tests/core/test_reduction_config.py::test_the_variance_floor_lies_above_the_rounding_of_the_leave_one_out_sums;
+    the margin: docs/variance.md)."""
     xx, xy = moments[:, 1:, 1:], moments[:, 1:, 0]
     diag = torch.diagonal(xx, dim1=-2, dim2=-1)
-    floor = VARIANCE_FLOOR * raw + torch.finfo(xx.dtype).tiny
-    ridge = diag * JOINT_PRIOR_TOKENS / tokens.clamp(min=1.0)[:, None] + floor
+    floor = config.variance_floor * raw + torch.finfo(xx.dtype).tiny
+    ridge = diag * config.joint_prior_tokens / tokens.clamp(min=1.0)[:, None] + floor
     theta = -torch.linalg.solve_ex(xx + torch.diag_embed(ridge), xy[..., None]).result[..., 0]  # no host sync
     return torch.where(diag > floor, torch.nan_to_num(theta, nan=0.0), 0.0).clamp(0.0, 1.0)
 
@@ -471,7 +601,7 @@ def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None
     alone), their leave-one-out combination (totals minus the row's own) in float64."""
     x = torch.stack((_dot(k1, cv), _dot(cv, cv), k1.sum(-1), mask.sum(-1), cv.sum(-1)), 1).to(torch.float64)
     o = others_sum_(x, same)
-    missing = unseen_tail(o[:, 4], o[:, 1])
+    missing = unseen_tail(o[:, 4], o[:, 1]) if active_reduction_config().unseen_tail else torch.zeros_like(o[:, 4])
     a = _regression(-o[:, 0] + missing * torch.log1p(missing), o[:, 1] + missing.square(), o[:, 3])
     kappa = torch.where(o[:, 3] > 0, o[:, 2] / o[:, 3].clamp(min=1.0), 0.0)
     return TokenCoefficients(a.to(k1.dtype), kappa.to(k1.dtype), missing)
@@ -487,7 +617,7 @@ def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
     long-horizon problem near pi*, `bench/reduction_components.py`; docs/variance.md). A function of the other rows:
     the gradient stays exact (tests/core/test_batch_exactness.py). Pinned by
     tests/core/test_statistics.py::test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero."""
-    return (-sum_xi - TAIL_Z * sum_xi_sq.clamp(min=0.0).sqrt()).clamp(min=0.0)
+    return (-sum_xi - active_reduction_config().tail_z * sum_xi_sq.clamp(min=0.0).sqrt()).clamp(min=0.0)
 
 
 class UnseenTail(NamedTuple):
@@ -530,14 +660,16 @@ def sampled_token_statistics(k1: Tensor, cv: Tensor, eta: Tensor | None, logp: T
                       eos=None if eta is None else ret[:, 2] - eta)
     coefficients = token_coefficients(k1, cv, mask, same)
     omega = score_weight(logp, mask)
+    weighted_task = log_rho is not None and task is not None and active_reduction_config().off_policy_task_weight
     return batch_statistics(returns, coefficients.cv_scale, coefficients.kappa, task, omega, mask, same,
                             UnseenTail(coefficients.tail, tail_reach(omega, mask, same)), counts,
-                            None if log_rho is None or task is None else off_policy_task_weight(log_rho, mask))
+                            off_policy_task_weight(log_rho, mask) if weighted_task else None)
 
 
 def off_policy_task_weight(log_rho: Tensor, mask: Tensor) -> Tensor:
-    """f_t = exp(-|log w_{1:t-1}|) at real tokens, 0 at padding: the weight at which a row's task advantages enter the
-    joint fit when the returns are importance-weighted. The trainer's task term weighs token t by rho_t and the KL
+    """f_t = exp(-|log w_{1:t-1}|) (`weight_fade` with c = 0) at real tokens, 0 at padding: the weight at which a
+    row's task advantages enter the joint fit when the returns are importance-weighted (switch:
+    `ReductionConfig.off_policy_task_weight`). The trainer's task term weighs token t by rho_t and the KL
     return by w_{1:t} = w_{1:t-1} rho_t, so the task's noise cancels the KL return's (what the joint fit exploits near
     the regularized optimum) only where w_{1:t-1} is near 1; f is 1 there (on-policy: every f = 1) and falls to 0 as
     the prefix weight leaves 1 in either direction. Counting the advantages at full weight, leaving them out and the
@@ -545,12 +677,13 @@ def off_policy_task_weight(log_rho: Tensor, mask: Tensor) -> Tensor:
     what this weight does: docs/variance.md). A function of the row alone: other rows' statistics stay exact
     (tests/core/test_batch_exactness.py)."""
     log_prefix = log_rho.cumsum(-1) - log_rho
-    return torch.exp(-log_prefix.abs()) * mask
+    return torch.exp(-log_prefix.abs()) * mask  # weight_fade(exp(log_prefix), 0) up to rounding, from the log it has
 
 
 def fade_baseline_(minus_baseline: Tensor, weights: Tensor) -> Tensor:
-    """In place, and returned: minus_baseline_t *= u_t = min(1, e^4 min(W, 1 / W)) = exp(-max(0, |log W| -
-    BASELINE_FREE_LOG_WEIGHT)) with W = w_{1:t-1} = weights_{t-1} (u_1 = 1), for [B, T] `weights` the running prefix
+    """In place, and returned: minus_baseline_t *= u_t = `weight_fade`(W, c) = exp(-max(0, |log W| - c)),
+    c = `ReductionConfig.baseline_free_log_weight` (4; switch: `ReductionConfig.baseline_fade`), with
+    W = w_{1:t-1} = weights_{t-1} (u_1 = 1), for [B, T] `weights` the running prefix
     weights w_{1:t} at every position (a masked position carries the weight before it; capped and clipped as the preset
     applies them): the fade of the row's own baseline term w_{1:t} (lambda_b Pi_t - m_{b,t}) in the presets with
     importance-weighted returns (`sequence`, `full`) off-policy; 1 while the prefix weight is within e^(+-4) of 1
@@ -564,8 +697,17 @@ def fade_baseline_(minus_baseline: Tensor, weights: Tensor) -> Tensor:
     (`sequence`'s KL term at T = 4096, G = 4, drift 1.0 off-policy, bench/variance.py). Fading every row
     (exp(-r |log w_{1:t-1}|)) or from e^(+-2) on cost variance in other cells of the off-policy grid; from e^(+-4) on,
     T <= 1024 is unchanged within its standard errors (measured: docs/variance.md; the variants: docs/history.md)."""
-    before = weights[..., :-1]
-    fade = torch.reciprocal(before)
-    torch.minimum(fade, before, out=fade).mul_(math.exp(BASELINE_FREE_LOG_WEIGHT)).clamp_(max=1.0)
-    minus_baseline[..., 1:].mul_(fade)
+    config = active_reduction_config()
+    if config.baseline_fade:
+        minus_baseline[..., 1:].mul_(weight_fade(weights[..., :-1], config.baseline_free_log_weight))
     return minus_baseline
+
+
+def weight_fade(weight: Tensor, free_log_weight: float) -> Tensor:
+    """u = min(1, e^c min(W, 1 / W)) = exp(-max(0, |log W| - c)) elementwise, c = free_log_weight: 1 while the
+    weight W is within e^(+-c) of 1, then falling as W leaves it in either direction (W = inf or 0: u = 0). The one
+    fade of both heuristics that weigh a row by how far its prefix weight w_{1:t-1} has left 1: the task weight of the
+    joint fit (`off_policy_task_weight`, c = 0) and the fade of the row's own baseline term (`fade_baseline_`,
+    c = `ReductionConfig.baseline_free_log_weight`). Four elementwise passes, no exp or log."""
+    fade = torch.reciprocal(weight)
+    return torch.minimum(fade, weight, out=fade).mul_(math.exp(free_log_weight)).clamp_(max=1.0)

@@ -155,7 +155,7 @@ def test_rows_with_fewer_than_two_others_get_the_plain_form():
     assert torch.equal(kl_coefficients(logp[:1], ref[:1], mask[:1]), plain[:1])
 
 
-def test_small_fits_are_shrunk_toward_the_plain_form(monkeypatch):
+def test_small_fits_are_shrunk_toward_the_plain_form():
     """Every statistic of row b is the fit times dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_t - 1) over the other rows'
     tokens n_t at each position: a group of 3 rows of 3 tokens gets 2 / 10 of its fit (the exact audit's tiny groups,
     where the full fit made the trainer's gradient noisier than sequence-plain's), a row with one other row none."""
@@ -170,8 +170,8 @@ def test_small_fits_are_shrunk_toward_the_plain_form(monkeypatch):
     task = TaskAdvantages(torch.tensor([0.3, -0.5, 0.2, 0.0], dtype=torch.float64), 0.5)
     eos = _eos(logp, mask, 1)
     shrunk = kl_statistics(logp, ref, mask, group=group, task=task, eos=eos)
-    monkeypatch.setattr(reductions, "FIT_PRIOR_DOF", 0.0)  # the unshrunk fit where dof > 0
-    fitted = kl_statistics(logp, ref, mask, group=group, task=task, eos=eos)
+    with reductions.reduction_config(reductions.ReductionConfig(fit_prior_dof=0.0)):  # unshrunk where dof > 0
+        fitted = kl_statistics(logp, ref, mask, group=group, task=task, eos=eos)
     factor = torch.tensor([3 / 11, 3 / 11, 3 / 11, 0.0], dtype=torch.float64)
     assert fitted.baseline[:3].abs().sum() > 0 and torch.all(fitted.baseline[3] == 0)
     for name, value in fitted.as_dict().items():

@@ -1,0 +1,74 @@
+"""How many aten ops the KL term dispatches, per `kl_statistics` call and per KL term (kl_term + surrogate + backward).
+
+On a GPU each op is at least one kernel launch, so at the batch sizes of a loss call the fit is launch-bound and its op
+count, not its arithmetic, sets its time. Counted with a TorchDispatchMode on the batches of bench/kl_term_cost.py
+(float32, CPU; the count does not depend on the device or the machine's load), for the configurations of that script:
+`sequence-plain`, `sequence` with statistics from the batch, `sequence` with precomputed statistics, and
+`kl_statistics` alone. Per op name: the ten most frequent in `kl_statistics`.
+Usage: .venvs/core/bin/python bench/kl_op_count.py [--name kl_op_count_cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from kl_term_cost import SHAPES, batch, configs  # noqa: E402
+from timing import write_result_and_table  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from kl_adapters import kl_statistics  # noqa: E402
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn) -> collections.Counter[str]:
+    fn()  # warm-up (lazy initialisation outside the count)
+    with OpCounter() as counter:
+        fn()
+    return counter.ops
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", default="kl_op_count_cpu")
+    args = parser.parse_args()
+    rows, lines = {}, [f"{'shape':<22}{'configuration':<32}{'aten ops':>10}"]
+    for b, t, off_policy in SHAPES:
+        logp, ref, old, mask, task, eos = batch(b, t, "cpu")
+        terms = configs(logp, ref, old, mask, task, eos, off_policy)
+        old = old if off_policy else None
+        configurations = {"kl_statistics": lambda: kl_statistics(logp, ref, mask, old_logp=old, task=task, eos=eos),
+                          "sequence-plain term": terms["sequence-plain"],
+                          "sequence term (from the batch)": terms["sequence"],
+                          "sequence term (precomputed)": terms["sequence+stats"]}
+        name = f"{b}x{t}" + ("" if off_policy else " on-policy")
+        counts = {c: count(fn) for c, fn in configurations.items()}
+        rows[name] = {c: {"total": sum(v.values()), "by_op": dict(v.most_common())} for c, v in counts.items()}
+        for c, v in counts.items():
+            lines.append(f"{name:<22}{c:<32}{sum(v.values()):>10}")
+        top = ", ".join(f"{op} {n}" for op, n in counts["kl_statistics"].most_common(10))
+        lines.append(f"{'':<22}kl_statistics' most frequent: {top}")
+    text = "\n".join(lines)
+    print(text)
+    write_result_and_table(args.name, {"torch": torch.__version__, "results": rows}, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -34,7 +34,8 @@ steps_per_generation not dividing gradient_accumulation_steps; vLLM's ``sampling
 (``ROLLOUT_STATISTICS_KEYS``), which TRL's own ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice with
 the rest into micro-batches; the loss uses the micro-batch's rows. Otherwise (TRL's on-policy default, where it skips
 that forward pass) no forward pass is added: the statistics are leave-one-out over the micro-batch's own rows at loss
-time, within each prompt's group (``GROUP_KEY``, stored at generation and carried by TRL's shuffle / split like the
+time (with several processes, over the rows of every process's micro-batch: `_statistics_across_processes`), within
+each prompt's group (``GROUP_KEY``, stored at generation and carried by TRL's shuffle / split like the
 statistics; a row with fewer than two other rows of its prompt in the micro-batch gets the plain form). With TRL's
 defaults (per_device_train_batch_size = num_generations = 8, gradient_accumulation_steps = 1) that micro-batch IS the
 whole generation batch, one group of 8. Either way row b's statistics are functions of the other rows only, so the
@@ -736,10 +737,32 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
         return loss + _full_kl(self, model, inputs, seen[0].hidden, logp, behaviour, beta_seq, mask, options).to(
             loss.dtype)
     ref = inputs["ref_per_token_logps"]
+    if "task" in options and self.accelerator.num_processes > 1:
+        options = _statistics_across_processes(self, settings, logp, ref, mask, behaviour, options)
     term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip, **options)
     kl = term.surrogate(beta_seq)
     _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)
+
+def _statistics_across_processes(trainer: GRPOTrainer, settings: Settings, logp, ref, mask, behaviour,
+                                 options: dict) -> dict:
+    """Loss-time statistics (none stored at rollout) over the rows of every process's micro-batch, as one process
+    holding them all would fit them (a GRPO group split across processes included): kl_term on the gathered detached
+    inputs (completion widths padded to the longest), this process's rows of its statistics. Returns kl_term's
+    options with them. Pinned by tests/trl/test_data_parallel.py."""
+    acc = trainer.accelerator
+
+    def every(x):
+        return None if x is None else acc.gather(acc.pad_across_processes(x.detach(), dim=1) if x.dim() > 1 else x)
+
+    task, eos = options["task"], options["eos"]
+    whole = kl_term(every(logp), every(ref), every(mask), preset=settings.preset, old_logp=every(behaviour),
+                    is_clip=settings.is_clip, group=every(options["group"]), discount=options["discount"],
+                    task=None if task is None else replace(task, advantages=every(task.advantages)),
+                    eos=None if eos is None else replace(eos, prob=every(eos.prob), is_eos=every(eos.is_eos)))
+    rows = slice(acc.process_index * mask.shape[0], (acc.process_index + 1) * mask.shape[0])
+    return {"statistics": whole.terms.statistics[rows].with_width(mask.shape[1]), "eos": eos,
+            "discount": options["discount"]}
 
 # ---- KL budget (kl_target, kl_adapters.budget) ---------------------------------------------------------------------
 

@@ -395,6 +395,7 @@ def _with_metrics(ppo_loss: Callable) -> Callable:
         _local.captured = _local.metrics = None
         _local.budget = _shipped_budget(config, data)
         _local.rows = data[_ROW] if _ROW in data.keys() else None
+        _local.dp_group = args[0] if args else kwargs.get("dp_group")
         _local.reduction = _reduction_inputs(config, model_output, data)
         loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
         extra, _local.metrics = getattr(_local, "metrics", None), None
@@ -466,8 +467,8 @@ def _micro_batch_statistics(c: _Captured, with_eos: bool) -> KLStatistics:
     the micro-batch's padded width (rows are left-aligned).
 
     verl's actor micro-batches are small (``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out
-    statistics (`kl_statistics`) come from the whole batch an actor worker trains on in one update: its data-parallel
-    shard of the rollout batch. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
+    statistics (`kl_statistics`) come from the whole batch the actor workers train on in one update: all data-parallel
+    shards of the rollout batch. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
     mini-batches) to tag each row with its index; ppo_loss's micro-batch carries the tags, and this function computes
     the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass), the batch's
     advantages and uid, and the end-of-sequence probabilities that compute_log_prob's forward (the one that made
@@ -483,22 +484,58 @@ def _micro_batch_statistics(c: _Captured, with_eos: bool) -> KLStatistics:
             raise UnsupportedFrameworkError("ppo_loss received kl_adapters row indices but no actor batch was tagged "
                                             "in this worker thread: this verl code path is not the tested one")
         fields = [k for k in ("old_log_probs", "ref_log_prob", "response_mask", "advantages") if k in batch.keys()]
-        padded = batch.select(*fields).to_padded_tensor()
+        padded = dict(batch.select(*fields).to_padded_tensor().items())
+        width = padded["response_mask"].shape[1]
+        eos = _stored_eos(batch, width) if with_eos else None
+        padded.update(eos=eos, uid=batch.get("uid") if "uid" in batch.keys() else None)
+        padded, own = _over_data_parallel_ranks(padded, getattr(_local, "dp_group", None))
         mask = padded["response_mask"].bool()
-        eos = _stored_eos(batch, mask.shape[1]) if with_eos else None
         statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask, preset=c.settings.preset,
-                                   group=_group_ids(batch, mask.device), eos=eos,
-                                   task=_task(padded["advantages"] if "advantages" in fields else None,
-                                              c.kl_loss_coef))
-        _local.statistics, _local.batch = statistics, None
+                                   group=_group_ids(padded, mask.device), eos=padded["eos"],
+                                   task=_task(padded.get("advantages"), c.kl_loss_coef))
+        _local.statistics, _local.batch = statistics[own].with_width(width), None
     rows = c.rows
     return _local.statistics[rows.to(_local.statistics.cv_coef.device)].with_width(
         c.response_mask.shape[1]).to(rows.device)
 
 
+def _over_data_parallel_ranks(values: dict, dp_group) -> tuple[dict, slice]:
+    """The statistics inputs of every rank of verl's data-parallel group (ppo_loss's dp_group), rows concatenated in
+    rank order ([B, T] tensors zero-padded to the widest, eos None unless every rank has it, uid values joined), and
+    this rank's rows among them: the leave-one-out statistics then come from the same rows as at world size 1 (a GRPO
+    group split across ranks included). One rank, or no group: the values and all rows. Pinned by
+    tests/verl/test_data_parallel.py."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rows = values["response_mask"].shape[0]
+    if dp_group is None or not dist.is_initialized() or dist.get_world_size(dp_group) < 2:
+        return values, slice(0, rows)
+    eos = values["eos"]
+    uid = values["uid"]
+    local = {**values, "eos": None if eos is None else (eos.prob, eos.is_eos.float()),
+             "uid": None if uid is None else uid.tolist() if hasattr(uid, "tolist") else list(uid)}
+    local = {k: v.cpu() if isinstance(v, Tensor) else v for k, v in local.items()}
+    every = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(every, local, group=dp_group)
+    width = max(v["response_mask"].shape[1] for v in every)
+    device = values["response_mask"].device
+
+    def cat(xs):
+        return torch.cat([F.pad(x, (0, width - x.shape[1])) if x.dim() > 1 else x for x in xs]).to(device)
+
+    out = {k: cat([v[k] for v in every]) for k in values if k not in ("eos", "uid")}
+    out["uid"] = None if values["uid"] is None else [u for v in every for u in v["uid"]]
+    out["eos"] = None if any(v["eos"] is None for v in every) else EndOfSequence(
+        cat([v["eos"][0] for v in every]), cat([v["eos"][1] for v in every]) > 0.5, eos.horizon)
+    start = sum(v["response_mask"].shape[0] for v in every[:dist.get_rank(dp_group)])
+    return out, slice(start, start + rows)
+
+
 def _group_ids(batch, device) -> Tensor | None:
     """[B] integer ids of verl's "uid" column (the GRPO prompt group), or None where the batch does not carry it."""
-    if "uid" not in batch.keys():
+    if "uid" not in batch.keys() or batch.get("uid") is None:
         return None
     import numpy as np
     import torch

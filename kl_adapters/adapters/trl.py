@@ -357,18 +357,25 @@ def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str,
                        eos: EndOfSequence | None = None) -> KLStatistics | None:
     """`kl_statistics(..., preset=preset)` of the whole generation batch, leave-one-out within each GRPO group, fitted
     with the batch's task advantages (`task_advantages`) and `eos` (the sampling policy's end-of-sequence
-    probabilities, `rollout_end_of_sequence`), from the log-probs TRL has at rollout time (`rollout_logps`); None when
-    it has none. Row b's statistics depend on the other rows only. They are taken on-policy (no old_logp: the rollout
-    log-probs are the policy that sampled), where `Preset.weighted_returns` has no effect, so `sequence` and `reward`
-    get identical statistics here. Pinned by tests/trl/test_statistics.py."""
+    probabilities, `rollout_end_of_sequence`), from the log-probs TRL has at rollout time (`rollout_logps`), over every
+    process's generation batch; None when it has none. Row b's statistics depend on the other rows only. They are
+    taken on-policy (no old_logp: the rollout log-probs are the policy that sampled), where `Preset.weighted_returns`
+    has no effect, so `sequence` and `reward` get identical statistics here. Pinned by tests/trl/test_statistics.py
+    (and, over processes, tests/trl/test_data_parallel.py)."""
     logps = rollout_logps(batch)
     if logps is None or batch.get("ref_per_token_logps") is None:
         return None
     logp, mask = logps
     group = group_ids(trainer, logp.shape[0]).to(logp.device)
-    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group, preset=preset,
-                         task=task_advantages(trainer, batch, trainer.beta), eos=eos,
-                         discount=discount_of(trainer.args))
+    task, ref = task_advantages(trainer, batch, trainer.beta), batch["ref_per_token_logps"]
+    if trainer.accelerator.num_processes == 1:
+        return kl_statistics(logp, ref, mask, group=group, preset=preset, task=task, eos=eos,
+                             discount=discount_of(trainer.args))
+    # several processes: over every process's generation batch (a GRPO group split across processes included)
+    task, every_eos = _fitting_inputs_of_every_process(trainer, task, eos)
+    whole = kl_statistics(*(_every_process(trainer, x) for x in (logp, ref, mask)), preset=preset, task=task,
+                          eos=every_eos, group=_every_process(trainer, group), discount=discount_of(trainer.args))
+    return _own_rows(trainer, whole, mask)
 
 
 def statistics_of(inputs: dict) -> KLStatistics | None:
@@ -744,25 +751,43 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
     _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)
 
+
 def _statistics_across_processes(trainer: GRPOTrainer, settings: Settings, logp, ref, mask, behaviour,
                                  options: dict) -> dict:
     """Loss-time statistics (none stored at rollout) over the rows of every process's micro-batch, as one process
-    holding them all would fit them (a GRPO group split across processes included): kl_term on the gathered detached
-    inputs (completion widths padded to the longest), this process's rows of its statistics. Returns kl_term's
-    options with them. Pinned by tests/trl/test_data_parallel.py."""
-    acc = trainer.accelerator
-
-    def every(x):
-        return None if x is None else acc.gather(acc.pad_across_processes(x.detach(), dim=1) if x.dim() > 1 else x)
-
-    task, eos = options["task"], options["eos"]
-    whole = kl_term(every(logp), every(ref), every(mask), preset=settings.preset, old_logp=every(behaviour),
-                    is_clip=settings.is_clip, group=every(options["group"]), discount=options["discount"],
-                    task=None if task is None else replace(task, advantages=every(task.advantages)),
-                    eos=None if eos is None else replace(eos, prob=every(eos.prob), is_eos=every(eos.is_eos)))
-    rows = slice(acc.process_index * mask.shape[0], (acc.process_index + 1) * mask.shape[0])
-    return {"statistics": whole.terms.statistics[rows].with_width(mask.shape[1]), "eos": eos,
+    holding them all would fit them (a GRPO group split across processes included): kl_term on the gathered inputs
+    (`_every_process`), this process's rows of its statistics. Returns kl_term's options with them. Pinned by
+    tests/trl/test_data_parallel.py."""
+    task, eos = _fitting_inputs_of_every_process(trainer, options["task"], options["eos"])
+    whole = kl_term(*(_every_process(trainer, x) for x in (logp, ref, mask)), preset=settings.preset,
+                    old_logp=_every_process(trainer, behaviour), is_clip=settings.is_clip, task=task, eos=eos,
+                    group=_every_process(trainer, options["group"]), discount=options["discount"])
+    return {"statistics": _own_rows(trainer, whole.terms.statistics, mask), "eos": options["eos"],
             "discount": options["discount"]}
+
+
+def _every_process(trainer: GRPOTrainer, x: torch.Tensor | None) -> torch.Tensor | None:
+    """[B] / [B, T] `x` of every process, rows in process order ([B, T] zero-padded to the widest), detached."""
+    if x is None:
+        return None
+    acc = trainer.accelerator
+    return acc.gather(acc.pad_across_processes(x.detach(), dim=1) if x.dim() > 1 else x.detach())
+
+
+def _fitting_inputs_of_every_process(trainer: GRPOTrainer, task: TaskAdvantages | None,
+                                     eos: EndOfSequence | None) -> tuple[TaskAdvantages | None, EndOfSequence | None]:
+    """The task advantages and end-of-sequence probabilities of every process's rows (`_every_process`)."""
+    return (None if task is None else replace(task, advantages=_every_process(trainer, task.advantages)),
+            None if eos is None else replace(eos, prob=_every_process(trainer, eos.prob),
+                                             is_eos=_every_process(trainer, eos.is_eos)))
+
+
+def _own_rows(trainer: GRPOTrainer, statistics: KLStatistics, mask: torch.Tensor) -> KLStatistics:
+    """This process's rows of statistics fitted on every process's rows, at its own width."""
+    rows = mask.shape[0]
+    start = trainer.accelerator.process_index * rows
+    return statistics[start:start + rows].with_width(mask.shape[1])
+
 
 # ---- KL budget (kl_target, kl_adapters.budget) ---------------------------------------------------------------------
 

@@ -514,7 +514,7 @@ def _over_data_parallel_ranks(values: dict, dp_group) -> tuple[dict, slice]:
         return values, slice(0, rows)
     eos = values["eos"]
     uid = values["uid"]
-    local = {**values, "eos": None if eos is None else (eos.prob, eos.is_eos.float()),
+    local = {**values, "eos": None if eos is None else (eos.prob.cpu(), eos.is_eos.float().cpu()),
              "uid": None if uid is None else uid.tolist() if hasattr(uid, "tolist") else list(uid)}
     local = {k: v.cpu() if isinstance(v, Tensor) else v for k, v in local.items()}
     every = [None] * dist.get_world_size(dp_group)

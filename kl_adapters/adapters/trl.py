@@ -34,7 +34,8 @@ steps_per_generation not dividing gradient_accumulation_steps; vLLM's ``sampling
 (``ROLLOUT_STATISTICS_KEYS``), which TRL's own ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice with
 the rest into micro-batches; the loss uses the micro-batch's rows. Otherwise (TRL's on-policy default, where it skips
 that forward pass) no forward pass is added: the statistics are leave-one-out over the micro-batch's own rows at loss
-time, within each prompt's group (``GROUP_KEY``, stored at generation and carried by TRL's shuffle / split like the
+time (with several processes, over the rows of every process's micro-batch: `_statistics_across_processes`), within
+each prompt's group (``GROUP_KEY``, stored at generation and carried by TRL's shuffle / split like the
 statistics; a row with fewer than two other rows of its prompt in the micro-batch gets the plain form). With TRL's
 defaults (per_device_train_batch_size = num_generations = 8, gradient_accumulation_steps = 1) that micro-batch IS the
 whole generation batch, one group of 8. Either way row b's statistics are functions of the other rows only, so the
@@ -362,18 +363,25 @@ def rollout_statistics(trainer: GRPOTrainer, batch: dict, preset: str,
                        eos: EndOfSequence | None = None) -> KLStatistics | None:
     """`kl_statistics(..., preset=preset)` of the whole generation batch, leave-one-out within each GRPO group, fitted
     with the batch's task advantages (`task_advantages`) and `eos` (the sampling policy's end-of-sequence
-    probabilities, `rollout_end_of_sequence`), from the log-probs TRL has at rollout time (`rollout_logps`); None when
-    it has none. Row b's statistics depend on the other rows only. They are taken on-policy (no old_logp: the rollout
-    log-probs are the policy that sampled), where `Preset.weighted_returns` has no effect, so `sequence` and `reward`
-    get identical statistics here. Pinned by tests/trl/test_statistics.py."""
+    probabilities, `rollout_end_of_sequence`), from the log-probs TRL has at rollout time (`rollout_logps`), over every
+    process's generation batch; None when it has none. Row b's statistics depend on the other rows only. They are
+    taken on-policy (no old_logp: the rollout log-probs are the policy that sampled), where `Preset.weighted_returns`
+    has no effect, so `sequence` and `reward` get identical statistics here. Pinned by tests/trl/test_statistics.py
+    (and, over processes, tests/trl/test_data_parallel.py)."""
     logps = rollout_logps(batch)
     if logps is None or batch.get("ref_per_token_logps") is None:
         return None
     logp, mask = logps
     group = group_ids(trainer, logp.shape[0]).to(logp.device)
-    return kl_statistics(logp, batch["ref_per_token_logps"], mask, group=group, preset=preset,
-                         task=task_advantages(trainer, batch, trainer.beta), eos=eos,
-                         discount=discount_of(trainer.args))
+    task, ref = task_advantages(trainer, batch, trainer.beta), batch["ref_per_token_logps"]
+    if trainer.accelerator.num_processes == 1:
+        return kl_statistics(logp, ref, mask, group=group, preset=preset, task=task, eos=eos,
+                             discount=discount_of(trainer.args))
+    # several processes: over every process's generation batch (a GRPO group split across processes included)
+    task, every_eos = _fitting_inputs_of_every_process(trainer, task, eos)
+    whole = kl_statistics(*(_every_process(trainer, x) for x in (logp, ref, mask)), preset=preset, task=task,
+                          eos=every_eos, group=_every_process(trainer, group), discount=discount_of(trainer.args))
+    return _own_rows(trainer, whole, mask)
 
 
 def statistics_of(inputs: dict) -> KLStatistics | None:
@@ -741,10 +749,50 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
         return loss + _full_kl(self, model, inputs, seen[0].hidden, logp, behaviour, beta_seq, mask, options).to(
             loss.dtype)
     ref = inputs["ref_per_token_logps"]
+    if "task" in options and self.accelerator.num_processes > 1:
+        options = _statistics_across_processes(self, settings, logp, ref, mask, behaviour, options)
     term = kl_term(logp, ref, mask, preset=settings.preset, old_logp=behaviour, is_clip=settings.is_clip, **options)
     kl = term.surrogate(beta_seq)
     _log_metrics(self, "train" if self.model.training else "eval", logp, ref, mask, behaviour, term)
     return loss + kl.to(loss.dtype)
+
+
+def _statistics_across_processes(trainer: GRPOTrainer, settings: Settings, logp, ref, mask, behaviour,
+                                 options: dict) -> dict:
+    """Loss-time statistics (none stored at rollout) over the rows of every process's micro-batch, as one process
+    holding them all would fit them (a GRPO group split across processes included): kl_term on the gathered inputs
+    (`_every_process`), this process's rows of its statistics. Returns kl_term's options with them. Pinned by
+    tests/trl/test_data_parallel.py."""
+    task, eos = _fitting_inputs_of_every_process(trainer, options["task"], options["eos"])
+    whole = kl_term(*(_every_process(trainer, x) for x in (logp, ref, mask)), preset=settings.preset,
+                    old_logp=_every_process(trainer, behaviour), is_clip=settings.is_clip, task=task, eos=eos,
+                    group=_every_process(trainer, options["group"]), discount=options["discount"])
+    return {"statistics": _own_rows(trainer, whole.terms.statistics, mask), "eos": options["eos"],
+            "discount": options["discount"]}
+
+
+def _every_process(trainer: GRPOTrainer, x: torch.Tensor | None) -> torch.Tensor | None:
+    """[B] / [B, T] `x` of every process, rows in process order ([B, T] zero-padded to the widest), detached."""
+    if x is None:
+        return None
+    acc = trainer.accelerator
+    return acc.gather(acc.pad_across_processes(x.detach(), dim=1) if x.dim() > 1 else x.detach())
+
+
+def _fitting_inputs_of_every_process(trainer: GRPOTrainer, task: TaskAdvantages | None,
+                                     eos: EndOfSequence | None) -> tuple[TaskAdvantages | None, EndOfSequence | None]:
+    """The task advantages and end-of-sequence probabilities of every process's rows (`_every_process`)."""
+    return (None if task is None else replace(task, advantages=_every_process(trainer, task.advantages)),
+            None if eos is None else replace(eos, prob=_every_process(trainer, eos.prob),
+                                             is_eos=_every_process(trainer, eos.is_eos)))
+
+
+def _own_rows(trainer: GRPOTrainer, statistics: KLStatistics, mask: torch.Tensor) -> KLStatistics:
+    """This process's rows of statistics fitted on every process's rows, at its own width."""
+    rows = mask.shape[0]
+    start = trainer.accelerator.process_index * rows
+    return statistics[start:start + rows].with_width(mask.shape[1])
+
 
 # ---- KL budget (kl_target, kl_adapters.budget) ---------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from ...reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ...surrogate import kl_statistics, kl_term
 from .._guard import UnsupportedFrameworkError
 from ..metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
+from .data_parallel import over_data_parallel_ranks
 from .driver import ADVANTAGES_ENV
 from .eos import EOS_PROB, IS_EOS, _row_keys
 from .flags import PREFIX, _loss_settings, _native_preset
@@ -163,6 +164,7 @@ def _with_metrics(ppo_loss: Callable) -> Callable:
         state.captured = state.metrics = None
         state.budget = _shipped_budget(config, data)
         state.rows = data[_ROW] if _ROW in data.keys() else None
+        state.dp_group = args[0] if args else kwargs.get("dp_group")
         state.reduction = _reduction_inputs(config, model_output, data)
         loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
         extra, state.metrics = state.metrics, None
@@ -235,8 +237,8 @@ def _micro_batch_statistics(c: Captured, with_eos: bool) -> KLStatistics:
     the micro-batch's padded width (rows are left-aligned).
 
     verl's actor micro-batches are small (``ppo_micro_batch_size_per_gpu``, e.g. 1-8 sequences), so the leave-one-out
-    statistics (`kl_statistics`) come from the whole batch an actor worker trains on in one update: its data-parallel
-    shard of the rollout batch. `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
+    statistics (`kl_statistics`) come from the whole batch the actor workers train on in one update: all data-parallel
+    shards of the rollout batch (`over_data_parallel_ranks`). `_tag_rows` wraps verl's tensordict_utils.make_iterator (the split into shuffled
     mini-batches) to tag each row with its index; ppo_loss's micro-batch carries the tags, and this function computes
     the statistics once per update from the behaviour log-probs (old_log_probs, no extra forward pass), the batch's
     advantages and uid, and the end-of-sequence probabilities that compute_log_prob's forward (the one that made
@@ -253,14 +255,16 @@ def _micro_batch_statistics(c: Captured, with_eos: bool) -> KLStatistics:
             raise UnsupportedFrameworkError("ppo_loss received kl_adapters row indices but no actor batch was tagged "
                                             "in this worker thread: this verl code path is not the tested one")
         fields = [k for k in ("old_log_probs", "ref_log_prob", "response_mask", "advantages") if k in batch.keys()]
-        padded = batch.select(*fields).to_padded_tensor()
+        padded = dict(batch.select(*fields).to_padded_tensor().items())
+        width = padded["response_mask"].shape[1]
+        eos = _stored_eos(batch, width) if with_eos else None
+        padded.update(eos=eos, uid=batch.get("uid") if "uid" in batch.keys() else None)
+        padded, own = over_data_parallel_ranks(padded, state.dp_group)
         mask = padded["response_mask"].bool()
-        eos = _stored_eos(batch, mask.shape[1]) if with_eos else None
         statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask, preset=c.settings.preset,
-                                   group=_group_ids(batch, mask.device), eos=eos,
-                                   task=_task(padded["advantages"] if "advantages" in fields else None,
-                                              c.kl_loss_coef))
-        state.statistics, state.batch = statistics, None
+                                   group=_group_ids(padded, mask.device), eos=padded["eos"],
+                                   task=_task(padded.get("advantages"), c.kl_loss_coef))
+        state.statistics, state.batch = statistics[own].with_width(width), None
     rows = c.rows
     return state.statistics[rows.to(state.statistics.cv_coef.device)].with_width(
         c.response_mask.shape[1]).to(rows.device)
@@ -268,7 +272,7 @@ def _micro_batch_statistics(c: Captured, with_eos: bool) -> KLStatistics:
 
 def _group_ids(batch, device) -> Tensor | None:
     """[B] integer ids of verl's "uid" column (the GRPO prompt group), or None where the batch does not carry it."""
-    if "uid" not in batch.keys():
+    if "uid" not in batch.keys() or batch.get("uid") is None:
         return None
     import numpy as np
     import torch

@@ -52,6 +52,8 @@ class WorkerState:
         rows       W `_with_metrics` at the call's start (the micro-batch's ROW indices, or None); R the capture;
                    C overwritten next call
         reduction  W `_with_metrics` at the call's start (`_reduction_inputs`); R the capture; C overwritten next call
+        dp_group   W `_with_metrics` at the call's start (ppo_loss's dp_group argument, or None); R
+                   `_micro_batch_statistics` (the statistics over every data-parallel rank's rows); C overwritten next call
         captured   W the policy-loss capture (`_capture_policy_loss`), inside ppo_loss; R and C `_kl_term`, the
                    kl_penalty call that follows; C also by `_with_metrics` at the call's start
         metrics    W `_kl_term`; R and C `_with_metrics` when ppo_loss returns (added to verl's metrics)
@@ -71,6 +73,7 @@ class WorkerState:
     budget: tuple[float, float, float] | None = None
     rows: Tensor | None = None
     reduction: Reduction | None = None
+    dp_group: Any = None  # torch.distributed ProcessGroup of verl's data-parallel ranks
     captured: Captured | None = None
     metrics: dict | None = None
     batch: Any = None

@@ -52,6 +52,8 @@ PATH_TESTS = {
 #: (FSDP1 syncs module states on a GPU).
 TESTED = {
     ("verl", "strategy", "fsdp2"): "tests/verl/test_engine.py::test_fsdp2_engine_on_cpu_matches_the_oracle",
+    ("openrlhf", "ds.packing_samples", True):
+        "tests/openrlhf/test_coverage_packing.py::test_packed_rows_give_the_unpacked_gradient_and_statistics",
     ("openrlhf", "train.dynamic_batch_enable", True):
         "tests/openrlhf/test_loss_path.py::test_dynamic_batching_gradient",
     ("trl", "importance_sampling_level", "sequence"):

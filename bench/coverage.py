@@ -46,12 +46,17 @@ PATH_TESTS = {
     ("trl", "reward-native"): "tests/trl/test_rloo.py::test_rloo_advantage_is_loo_baselined_k1_sum",
 }
 
+_VERL_ENGINE = "tests/verl/test_coverage_engine.py::test_remove_padding_dynamic_batch_size_and_lora_match_the_oracle"
+
 #: (framework, feature, value) -> the test that runs the fixed KL path with that feature on; a value not listed has no
 #: test (the row is "untested"); a feature at its `DEFAULTS` value is what the path test runs. verl's default strategy
 #: fsdp and fsdp2 share the FSDP engine's forward, outputs and ppo_loss (FSDPEngineWithLMHead); the CPU tests run fsdp2
 #: (FSDP1 syncs module states on a GPU).
 TESTED = {
     ("verl", "strategy", "fsdp2"): "tests/verl/test_engine.py::test_fsdp2_engine_on_cpu_matches_the_oracle",
+    ("verl", "use_remove_padding", True): _VERL_ENGINE,
+    ("verl", "use_dynamic_bsz", True): _VERL_ENGINE,
+    ("verl", "lora", True): _VERL_ENGINE,
     ("openrlhf", "ds.packing_samples", True):
         "tests/openrlhf/test_coverage_packing.py::test_packed_rows_give_the_unpacked_gradient_and_statistics",
     ("openrlhf", "train.dynamic_batch_enable", True):

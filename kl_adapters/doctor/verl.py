@@ -226,13 +226,14 @@ def _adapter_refusal(report: Report, config, env_value: str | None) -> None:
     """The adapter's refusal of this configuration (the same check its patched validate_config runs) as the "refused"
     hazard; a kl-adapters value it cannot parse ends the analysis (`refusals`)."""
     from ..adapters import verl as adapter
+    from ..adapters._guard import UnsupportedFrameworkError
 
     with _environment(env_value):
         try:
             adapter.check_config(config)
         except activation.SettingError:
             raise
-        except ValueError as err:
+        except (ValueError, UnsupportedFrameworkError) as err:
             report.add("refused", "refused", f"kl-adapters refuses this configuration before Ray starts: {err}")
 
 

@@ -49,3 +49,12 @@ def test_ulysses_is_refused_before_a_run(monkeypatch, capsys):
     assert main(["doctor", "verl", *ULYSSES]) == 3
     assert "ulysses_sequence_parallel_size=2" in capsys.readouterr().out
 
+
+def test_doctor_warns_that_megatron_is_untested(capsys):
+    """The Megatron engine cannot run here: the doctor's fix for a Megatron config comes with that warning."""
+    from kl_adapters.cli import main
+
+    main(["doctor", "verl", "--config-name", "ppo_megatron_trainer", "actor_rollout_ref.actor.use_kl_loss=True",
+          "actor_rollout_ref.actor.kl_loss_type=low_var_kl"])
+    out = capsys.readouterr().out
+    assert "[untested-path] actor strategy megatron" in out and "kl_adapters:sequence" in out

@@ -1,5 +1,5 @@
-"""Coverage of real configurations (issue 37, part 3): every example of the three frameworks that has a KL term, with the
-doctor's fix applied -- does kl-adapters accept it, and is the code path it then takes run by a test in tests/?
+"""Coverage of real configurations (issue 37, part 3): every example of the three frameworks that has a KL term, with
+the doctor's fix applied -- does kl-adapters accept it, and is the code path it then takes run by a test in tests/?
 
 The examples are bench/doctor_examples.py's (same repository snapshots, same reading: an empty environment, verl's and
 OpenRLHF's unknown keys read past, TRL as launched on 8 processes). For each one the doctor gives a verdict; an
@@ -59,6 +59,8 @@ TESTED = {
     ("verl", "lora", True): _VERL_ENGINE,
     ("openrlhf", "ds.packing_samples", True):
         "tests/openrlhf/test_coverage_packing.py::test_packed_rows_give_the_unpacked_gradient_and_statistics",
+    ("openrlhf", "lora", True):
+        "tests/openrlhf/test_coverage_lora.py::test_lora_actor_gradient_is_task_plus_kl_surrogate",
     ("openrlhf", "train.dynamic_batch_enable", True):
         "tests/openrlhf/test_loss_path.py::test_dynamic_batching_gradient",
     ("trl", "importance_sampling_level", "sequence"):

@@ -159,8 +159,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_command(description: str, collect_rows, argv: list[str] | None) -> argparse.Namespace | None:
+    """The two steps of an examples benchmark: ``collect FRAMEWORK ROOT OUT [--release DIR]`` writes
+    collect_rows(framework, root, release) to OUT (None returned); ``table PARTS... OUT`` returns its arguments."""
+    parser = argparse.ArgumentParser(description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collect")
     c.add_argument("framework", choices=("trl", "verl", "openrlhf"))
@@ -172,7 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("out", type=Path, help="writes OUT.txt and OUT.json")
     args = parser.parse_args(argv)
     if args.command == "collect":
-        args.out.write_text(json.dumps(collect(args.framework, args.root, args.release), indent=1))
+        args.out.write_text(json.dumps(collect_rows(args.framework, args.root, args.release), indent=1))
+        return None
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_command(__doc__.splitlines()[0], collect, argv)
+    if args is None:
         return
     rows = [row for part in args.parts for row in json.loads(part.read_text())]
     command = "python bench/doctor_examples.py table " + " ".join(str(p) for p in args.parts) + f" {args.out}"

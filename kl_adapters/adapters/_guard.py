@@ -31,3 +31,12 @@ def require_version(distribution: str) -> str:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return version
     raise UnsupportedFrameworkError(message)
+
+
+def refuse_untested_path(message: str) -> None:
+    """UnsupportedFrameworkError(`message`) for a framework code path the CPU tests cannot run; with
+    KL_ADAPTERS_ALLOW_UNTESTED=1 a RuntimeWarning instead (the run goes on)."""
+    message = f"{message}; set {ALLOW_UNTESTED_ENV}=1 to run it anyway"
+    if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        raise UnsupportedFrameworkError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

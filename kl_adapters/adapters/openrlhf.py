@@ -39,10 +39,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
 import re
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +56,7 @@ from ..reductions import KLStatistics
 from ..surrogate import KLTerm, kl_coefficients, kl_reward, kl_term, sequence_kl
 from . import openrlhf_statistics
 from .openrlhf_statistics import EosPayload, RolloutTask, aligned, split_eos
-from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, require_version
+from ._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError, refuse_untested_path, require_version
 from .budget_wiring import kept_budget, restore, take_step
 from .end_of_sequence import eos_probabilities
 from .metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
@@ -98,8 +96,8 @@ def _receive_flag(value: str) -> PresetFlag:
 def check_args(args: Any, settings: Settings) -> None:
     """Refuse OpenRLHF arguments with which ``--algo.kl.preset`` would be silently wrong or a no-op.
 
-    ValueError for conflicts; UnsupportedFrameworkError for code paths the CPU tests cannot run (packing, ring
-    attention, DeepSpeed tensor parallelism) unless KL_ADAPTERS_ALLOW_UNTESTED=1, which warns instead. Other OpenRLHF
+    ValueError for conflicts; UnsupportedFrameworkError for code paths the CPU tests cannot run (ring attention,
+    DeepSpeed tensor parallelism) unless KL_ADAPTERS_ALLOW_UNTESTED=1, which warns instead. Other OpenRLHF
     versions are refused by the version guard (versions.TESTED, `patch`).
     """
     kl, flag = args.algo.kl, f"{FLAG} {settings}"
@@ -119,15 +117,10 @@ def check_args(args: Any, settings: Settings) -> None:
         _check_reward_path(args, settings, flag)
     if settings.kl_target is not None:
         _check_budget(args, settings, flag)
-    untested = [name for name, on in (("--ds.packing_samples", args.ds.packing_samples),
-                                      ("--ds.ring_attn_size > 1", args.ds.ring_attn_size > 1),
+    untested = [name for name, on in (("--ds.ring_attn_size > 1", args.ds.ring_attn_size > 1),
                                       ("--ds.tensor_parallel_size > 1", args.ds.tensor_parallel_size > 1)) if on]
     if untested:
-        message = (f"{flag} is not tested with {', '.join(untested)} (they need flash-attn / several GPUs); set "
-                   f"{ALLOW_UNTESTED_ENV}=1 to run it anyway")
-        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-            raise UnsupportedFrameworkError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        refuse_untested_path(f"{flag} is not tested with {', '.join(untested)} (they need several GPUs)")
 
 
 def _apply(args: Any, settings: Settings) -> None:
@@ -346,7 +339,8 @@ def _wrap_actor_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, sequences, action_mask=None, *args, **kwargs):
         step = _loss_step.get()
-        wanted = action_mask is not None and not getattr(self, "packing_samples", False) and _wants_eos(step)
+        packed = getattr(self, "packing_samples", False)
+        wanted = action_mask is not None and _wants_eos(step) and kwargs.get("ring_attn_group") is None
         ids = openrlhf_statistics.eos_token_ids(self.model) if wanted else ()
         if not ids:
             return original(self, sequences, action_mask, *args, **kwargs)
@@ -358,13 +352,26 @@ def _wrap_actor_forward(original: Callable) -> Callable:
             _eos_capture.reset(token)
         if capture.prob is None:
             return out
-        eos = openrlhf_statistics.action_eos(capture.prob, sequences, action_mask, capture.ids)
+        prob = capture.prob
+        if packed:  # [1, nnz] in --ds.packing_samples' order: padded back as Actor.forward pads its log-probs
+            prob = _padded(prob, sequences, kwargs.get("attention_mask", args[0] if args else None))
+        eos = openrlhf_statistics.action_eos(prob, sequences, action_mask, capture.ids)
         if step is not None:  # the loss reads it (`_loss_kl_term`); OpenRLHF gets its own result
             step.eos = eos
             return out
         return openrlhf_statistics.with_eos(out, eos) if isinstance(out, Tensor) else out
 
     return forward
+
+
+def _padded(packed: Tensor, sequences: Tensor, attention_mask: Tensor) -> Tensor:
+    """A packed forward's per-token values [1, nnz] as [batch, seqlen], with OpenRLHF's own unpad indices and
+    gather_and_pad_tensor (no ring attention: the adapter refuses it). Pinned by
+    tests/openrlhf/test_coverage_packing.py."""
+    from openrlhf.models import ring_attn_utils
+
+    indices = ring_attn_utils.unpad_input(sequences.unsqueeze(-1), attention_mask)[1]
+    return ring_attn_utils.gather_and_pad_tensor(packed, None, 0, indices, *sequences.shape)
 
 
 def _wrap_log_probs_from_logits(original: Callable) -> Callable:

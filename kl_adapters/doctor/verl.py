@@ -192,6 +192,18 @@ def _analyse(report: Report, config, script_env: str | None) -> None:
                    "the same value-unbiased estimator at one common beta, which verl's units never give)")
     if report.verdict in ("biased", "no-op", "refused"):
         report.fix = _fix(report, config, use_loss, use_reward, agg)
+    _untested_engine(report, config)
+
+
+def _untested_engine(report: Report, config) -> None:
+    """A warning where kl-adapters' path (configured, or the fix) runs on an engine no test runs: verl's tests run the
+    FSDP engine (tests/verl/test_engine.py, test_coverage_engine.py); Megatron cannot run on CPU."""
+    strategy = _get(config, f"{_ACTOR}.strategy")
+    adapted = report.fix is not None or any(p.native.source.startswith("kl_adapters/") for p in report.paths)
+    if adapted and strategy not in (None, "fsdp", "fsdp2"):
+        report.add("untested-path", "warning", f"actor strategy {strategy}: kl-adapters is tested on verl's FSDP "
+                   "engine only; its KL term goes through the same ppo_loss here, but no test runs this engine, and "
+                   "the reduced presets get no pi(EOS) from it (no termination control variate)")
 
 
 def _regimes(report: Report, config) -> None:
@@ -226,13 +238,14 @@ def _adapter_refusal(report: Report, config, env_value: str | None) -> None:
     """The adapter's refusal of this configuration (the same check its patched validate_config runs) as the "refused"
     hazard; a kl-adapters value it cannot parse ends the analysis (`refusals`)."""
     from ..adapters import verl as adapter
+    from ..adapters._guard import UnsupportedFrameworkError
 
     with _environment(env_value):
         try:
             adapter.check_config(config)
         except activation.SettingError:
             raise
-        except ValueError as err:
+        except (ValueError, UnsupportedFrameworkError) as err:
             report.add("refused", "refused", f"kl-adapters refuses this configuration before Ray starts: {err}")
 
 

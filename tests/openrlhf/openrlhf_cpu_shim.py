@@ -100,7 +100,7 @@ class CPUStrategy:
         if not self._dynamic and self._micro_steps % self.accumulated_gradient:
             return
         if self.record:
-            params = dict(self.model.named_parameters())
+            params = {k: p for k, p in self.model.named_parameters() if p.requires_grad}  # LoRA: its adapters
             self.params_log.append({k: p.detach().clone() for k, p in params.items()})
             self.grad_log.append(torch.cat([p.grad.flatten() for p in params.values()]).clone())
         optimizer.step()

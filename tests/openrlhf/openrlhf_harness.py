@@ -230,14 +230,16 @@ def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = 
 
 
 def load_params(actor_dir: str, params: dict):
-    """The actor with the parameters a strategy logged (on their device)."""
+    """The actor with the parameters a strategy logged (on their device): its trained ones (a LoRA actor's frozen base
+    is the saved model's)."""
     import torch
     from openrlhf_cpu_shim import load_actor
 
     model = load_actor(actor_dir).to(next(iter(params.values())).device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(params[name])
+            if p.requires_grad:
+                p.copy_(params[name])
     return model
 
 
@@ -298,4 +300,5 @@ def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS
                                             **info)[0] / gas
         per_sequence += [kl_of(exp, logp, b) for b in range(len(logp)) if exp.action_mask[b].any()]
     loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: its adapters
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, trained)])

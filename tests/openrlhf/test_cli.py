@@ -88,14 +88,16 @@ def test_reward_path_conflicts(actor_dir, extra, preset, message):
 
 
 def test_untested_code_path_is_refused(actor_dir, monkeypatch):
-    """Packing needs flash-attn, so the CPU tests cannot run it: refused unless KL_ADAPTERS_ALLOW_UNTESTED=1."""
-    argv = base_argv(actor_dir) + ["--ds.packing_samples", "--vllm.num_engines", "1", "--algo.kl.preset", "sequence"]
+    """Ring attention needs several GPUs, so the CPU tests cannot run it: refused unless KL_ADAPTERS_ALLOW_UNTESTED=1
+    (packing alone is tested: test_coverage_packing.py)."""
+    argv = base_argv(actor_dir) + ["--ds.packing_samples", "--ds.ring_attn_size", "2", "--vllm.num_engines", "1",
+                                   "--algo.kl.preset", "sequence"]
     monkeypatch.delenv("KL_ADAPTERS_ALLOW_UNTESTED", raising=False)  # scripts/compat.sh sets it for the whole suite
-    with pytest.raises(UnsupportedFrameworkError, match="packing_samples"):
+    with pytest.raises(UnsupportedFrameworkError, match="ring_attn_size"):
         cli_args(argv, wrapper=True)
     kl_adapters.disable()
     monkeypatch.setenv("KL_ADAPTERS_ALLOW_UNTESTED", "1")
-    with pytest.warns(RuntimeWarning, match="packing_samples"):
+    with pytest.warns(RuntimeWarning, match="ring_attn_size"):
         cli_args(argv, wrapper=True)
 
 

@@ -25,6 +25,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--preset", default="sequence")
+parser.add_argument("--remove-padding", action="store_true", help="actor_rollout_ref.model.use_remove_padding=True: "
+                    "the engine packs each micro-batch into one row (transformers masks attention per sequence)")
+parser.add_argument("--lora", action="store_true", help="actor_rollout_ref.model.lora_rank=4 (q_proj, v_proj): the "
+                    "policy is the LoRA-wrapped model, the reference its adapter-disabled base (no_lora_adapter)")
+parser.add_argument("--dynamic-bsz", action="store_true", help="actor.use_dynamic_bsz=True: micro-batches by a token "
+                    "budget (max_token_len_per_gpu) instead of a row count")
 args = parser.parse_args()
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=str(29500 + os.getpid() % 1000))
@@ -66,6 +72,8 @@ from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
 from kl_adapters.adapters.verl import loss as verl_loss  # noqa: E402
 
 COEF, MINI, MICRO = 0.5, 8, 4
+#: token budget of a dynamic micro-batch: 1024 is all rows in one; with --dynamic-bsz a smaller one splits the batch
+MAX_TOKENS = 24 if args.dynamic_bsz else 1024
 
 
 def save_model(path):
@@ -75,11 +83,14 @@ def save_model(path):
 
 
 def build_worker(path, optimizer: str, lr: float):
-    model = HFModelConfig(path=path, use_remove_padding=False, enable_gradient_checkpointing=False,
+    lora = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]} if args.lora else {}
+    model = HFModelConfig(path=path, use_remove_padding=args.remove_padding, **lora,
+                          enable_gradient_checkpointing=False,
                           override_config={"attn_implementation": "eager"})
     engine = FSDPEngineConfig(strategy="fsdp2", param_offload=False, optimizer_offload=False, dtype="float32",
                               micro_batch_size_per_gpu=MICRO, infer_micro_batch_size_per_gpu=MICRO,
-                              use_dynamic_bsz=False, max_token_len_per_gpu=1024, infer_max_token_len_per_gpu=1024,
+                              use_dynamic_bsz=args.dynamic_bsz, max_token_len_per_gpu=MAX_TOKENS,
+                              infer_max_token_len_per_gpu=MAX_TOKENS,
                               use_torch_compile=False,
                               # float32 compute (verl's default is bf16), so that the engine's log-probs and
                               # end-of-sequence probabilities match a separate float32 transformers forward to ~1e-6
@@ -87,13 +98,20 @@ def build_worker(path, optimizer: str, lr: float):
     optim = FSDPOptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=0.0, clip_grad=1e9, total_training_steps=10)
     worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                                  optimizer_config=optim, checkpoint_config=CheckpointConfig()))
-    worker.reset()
+    reset(worker)
     return worker
+
+
+def reset(worker):
+    """worker.reset(): the initial weights again, and the same LoRA initialisation (its A matrices are random)."""
+    torch.manual_seed(0)
+    worker.reset()
 
 
 def actor_config(kl_loss_type, use_kl_loss=True):
     return FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=MICRO,
                            use_kl_loss=use_kl_loss, kl_loss_type=kl_loss_type, kl_loss_coef=COEF,
+                           use_dynamic_bsz=args.dynamic_bsz, ppo_max_token_len_per_gpu=MAX_TOKENS,
                            use_torch_compile=False)
 
 
@@ -112,10 +130,11 @@ def batch(**extra):
     return td
 
 
-def log_probs(worker):
-    """compute_log_prob's forward (TrainingWorker.infer_batch): the padded log-probs of the responses."""
+def log_probs(worker, no_lora_adapter=False):
+    """compute_log_prob's forward (TrainingWorker.infer_batch): the padded log-probs of the responses; with
+    no_lora_adapter, compute_ref_log_prob's pass through a LoRA actor (its adapter disabled: the base model)."""
     td = batch()
-    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, no_lora_adapter=no_lora_adapter)
     return no_padding_2_padding(tu.get(worker.infer_batch(td), "log_probs"), td).float().cpu()
 
 
@@ -197,6 +216,20 @@ def oracle(config_without_kl, preset, old, ref, adv, eos):
     return loss_fn
 
 
+def lora_reference(worker, initial):
+    """After an update of the LoRA actor (its B matrices start at 0, so `initial` = its first log-probs = the base
+    model's): compute_ref_log_prob's pass through the actor (no_lora_adapter) still gives the base model's log-probs
+    while the policy's moved, and it leaves the pi(EOS) rows kept from the actor's own pass untouched."""
+    policy = log_probs(worker)
+    kept = dict(verl_adapter._EOS_ROWS)
+    reference = log_probs(worker, no_lora_adapter=True)
+    same_rows = kept.keys() == verl_adapter._EOS_ROWS.keys() and all(
+        all(torch.equal(a, b) for a, b in zip(kept[k], verl_adapter._EOS_ROWS[k])) for k in kept)
+    return {"lora_reference_error": float((reference - initial).abs().max()),
+            "lora_policy_moved": float((policy - initial).abs().max()),
+            "lora_kept_eos_rows": len(kept) if same_rows else -1}
+
+
 def flag_off_is_upstream(worker, theta0, old, ref, adv) -> bool:
     """With verl's own kl_loss_type, compute_log_prob's outputs (every key and value) and one update's weights are
     the same as with the adapter unpatched (last: it unpatches)."""
@@ -205,7 +238,7 @@ def flag_off_is_upstream(worker, theta0, old, ref, adv) -> bool:
     for patched in (True, False):
         if not patched:
             verl_adapter.unpatch()
-        worker.reset()
+        reset(worker)
         worker.set_loss_fn(native)
         td = batch()
         tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
@@ -234,20 +267,25 @@ def main():
     adv = torch.randn(mask.shape[0], 1, generator=gen) * mask
 
     theta0 = params(worker)
+    rows_in = []  # the leading size of each input_ids the model sees in the flagged update: 1 when packed
+    hook = worker.engine.module.register_forward_pre_hook(
+        lambda module, a, kw: rows_in.append(int(kw["input_ids"].shape[0])), with_kwargs=True)
     flagged = train(worker, flagged_loss, old, ref, adv)
+    hook.remove()
+    lora = lora_reference(worker, current) if args.lora else {}
     step_flagged = theta0 - params(worker)
     training_eos = torch.zeros_like(eos.prob)
     for rows, prob in captured:  # the first update's micro-batches, at the initial weights
         training_eos[rows, :prob.shape[1]] = prob
     steps, metrics = {}, {}
     for name, loss_eos in (("oracle", eos), ("oracle_without_eos", None)):
-        worker.reset()  # reload the initial weights
+        reset(worker)  # reload the initial weights
         assert torch.equal(params(worker), theta0)
         metrics[name] = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref,
                                              adv, loss_eos), old, ref, adv)
         steps[name] = theta0 - params(worker)
     reference, step_oracle = metrics["oracle"], steps["oracle"]
-    worker.reset()
+    reset(worker)
     train(worker, partial(losses.ppo_loss, config=actor_config("low_var_kl", use_kl_loss=False)),
                       old, ref, adv)
     step_task = theta0 - params(worker)
@@ -270,6 +308,9 @@ def main():
         "metric_keys": sorted(flagged),
         "history": history,
         "device": args.device,
+        "model_input_rows": rows_in,  # one entry per micro-batch of the flagged update
+        "micro_batch_rows": [len(rows) for rows, _ in captured],
+        **lora,
     }
     print("RESULT" + json.dumps(result, default=float))
 

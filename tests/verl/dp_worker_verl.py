@@ -46,7 +46,7 @@ def main() -> None:
         loss = partial(losses.ppo_loss, config=engine_check.actor_config(f"kl_adapters:{spec['preset']}"))
         worker.set_loss_fn(loss)  # compute_log_prob's forward, as before an update: it keeps the rows' pi(EOS)
         engine_check.log_probs(worker)
-        assert engine_check.verl_adapter._EOS_ROWS, "the termination control variate's input must reach the update"
+        assert engine_check.EOS_ROWS.rows, "the termination control variate's input must reach the update"
         engine_check.train(worker, loss, *(job[k][rows] for k in ("old_log_probs", "ref_log_prob", "advantages")))
         out[case] = theta0 - engine_check.params(worker)
     torch.save(out, out_path.format(rank=rank))

@@ -70,6 +70,7 @@ from kl_adapters import (  # noqa: E402
 )
 from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
 from kl_adapters.adapters.verl import loss as verl_loss  # noqa: E402
+from kl_adapters.adapters.verl.state import EOS_ROWS  # noqa: E402
 
 COEF, MINI, MICRO = 0.5, 8, 4
 #: token budget of a dynamic micro-batch: 1024 is all rows in one; with --dynamic-bsz a smaller one splits the batch
@@ -221,10 +222,10 @@ def lora_reference(worker, initial):
     model's): compute_ref_log_prob's pass through the actor (no_lora_adapter) still gives the base model's log-probs
     while the policy's moved, and it leaves the pi(EOS) rows kept from the actor's own pass untouched."""
     policy = log_probs(worker)
-    kept = dict(verl_adapter._EOS_ROWS)
+    kept = dict(EOS_ROWS.rows)
     reference = log_probs(worker, no_lora_adapter=True)
-    same_rows = kept.keys() == verl_adapter._EOS_ROWS.keys() and all(
-        all(torch.equal(a, b) for a, b in zip(kept[k], verl_adapter._EOS_ROWS[k])) for k in kept)
+    same_rows = kept.keys() == EOS_ROWS.rows.keys() and all(
+        all(torch.equal(a, b) for a, b in zip(kept[k], EOS_ROWS.rows[k])) for k in kept)
     return {"lora_reference_error": float((reference - initial).abs().max()),
             "lora_policy_moved": float((policy - initial).abs().max()),
             "lora_kept_eos_rows": len(kept) if same_rows else -1}

@@ -7,8 +7,8 @@ The thresholds sit between the measured ratios (0.910-0.977 at V = 3, T = 3, see
 with the fit switched off (`reductions.ReductionConfig(fit=False)`: every fitted statistic zero) `sequence` is
 `sequence-plain` exactly and the ratio is 1, which `test_the_pin_fails_with_the_fit_switched_off` checks, so a change
 that quietly disables the fit fails here. The bigram at T = 256: tests/core/test_reduction_benefit_bigram.py; each
-setting of the fit (wired, exact, the floors as conditions): tests/core/test_reduction_config.py. Not pinned yet: the
-long-horizon GPT-2 at T = 32 (bench/reduction_components.py, TRL: minutes).
+setting of the fit (wired, exact, the floors as conditions): tests/core/test_reduction_config.py; the long-horizon
+GPT-2 at T = 32 through TRL: tests/trl/test_reduction_benefit_long_horizon.py.
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ def others_sum_(x: Tensor, same: Tensor | None) -> Tensor:
     it returns; pass a temporary). One group: column sums, no second tensor of x's size; several: sums per dense group
     id (memory O(x), no [B, B] matrix)."""
     totals = x.sum(0, keepdim=True) if same is None else torch.zeros_like(x).index_add_(0, same, x)[same]
-    return x.neg_().add_(totals)
+    return torch.sub(totals, x, out=x)
 
 
 def _dot(x: Tensor, y: Tensor) -> Tensor:
@@ -424,17 +424,13 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     centred = gram - torch.bmm(s_f, s_f.transpose(1, 2))  # per-position centred, summed over t
     # y = P - scale f (alpha - mu) and the fit's features (a~ Q, -kappa H, D, Pi) as linear maps of the channels, per row
     features = [n for n in ("xi", "eos", "resample", "past") if n in names]
-    lin = torch.zeros(batch, 1 + len(features), len(names), dtype=dtype, device=mask.device)
-    lin[:, 0, 0] = 1.0
-    if alpha is not None:
-        lin[:, 0, names.index("task")] = -scale
-    if faded:
-        lin[:, 0, names.index("task_weight")] = scale * mu
-    factor = {"xi": cv_scale.to(dtype), "eos": -kappa.to(dtype), "resample": 1.0, "past": 1.0}
-    for row, n in enumerate(features, start=1):
-        lin[:, row, names.index(n)] = factor[n]
-    moments = lin @ centred @ lin.transpose(1, 2)
-    raw = torch.diagonal(lin @ gram @ lin.transpose(1, 2), dim1=-2, dim2=-1)[:, 1:]
+    zero, one = torch.zeros_like(scale), torch.ones_like(scale)
+    factor = {"xi": cv_scale.to(dtype), "eos": -kappa.to(dtype), "resample": one, "past": one}
+    y = {"ret": one} | ({} if alpha is None else {"task": -scale}) | ({"task_weight": scale * mu} if faded else {})
+    rows = [y] + [{n: factor[n]} for n in features]  # the rows of lin as {channel: [B] coefficient}
+    lin = torch.stack([row.get(n, zero) for row in rows for n in names], 1).view(batch, len(rows), len(names))
+    moments = torch.bmm(torch.bmm(lin, centred), lin.transpose(1, 2))
+    raw = (torch.bmm(lin, gram) * lin).sum(-1)[:, 1:]  # the features' raw second moments
     if tail is not None and "xi" in features and config.unseen_tail:
         _add_unseen_tail(moments, raw, 1 + features.index("xi"), cv_scale.to(dtype), tail, alpha is not None)
     tokens = count.sum(-1)
@@ -444,15 +440,13 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     mean = torch.bmm(coef[:, None], s_f)[:, 0].mul_(root)
     if not faded:
         mean.add_((weight * inv_w).mul_((scale * mu)[:, None]))
-    var_z = torch.einsum("bi,bij,bj->b", coef, centred, coef)
+    var_z = (torch.bmm(coef[:, None], centred)[:, 0] * coef).sum(-1)
     baseline = _james_stein(mean, var_z, weight, count, tokens, dof) if config.james_stein else mean
     fitted = dict(zip(features, theta.unbind(-1)))
-    zero = torch.zeros(batch, dtype=dtype, device=mask.device)
     cv_coef = fitted["resample"] if "resample" in fitted else fitted.get("xi", zero) * cv_scale.to(dtype)
     eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
-    values = tuple(x if on else torch.zeros_like(x) for x, on in (
-        (cv_coef, config.control_variate), (eos_coef, config.termination), (fitted["past"], config.past_kl),
-        (baseline, config.baseline)))
+    coefficients = torch.stack([x if on else zero for x, on in (
+        (cv_coef, config.control_variate), (eos_coef, config.termination), (fitted["past"], config.past_kl))])
     # every statistic is scaled by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows' tokens left
     # after the per-position means (0 with fewer than two other rows with tokens: the plain form): a fit to a handful of
     # tokens adds more noise than it removes (`fit_shrinkage`); far off-policy (weights past float64's range) a fit can
@@ -461,9 +455,10 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     # (tests/trl/test_faults.py::test_overflowing_importance_weights_stay_finite); all functions of the other rows
     shrink = _shrinkage(dof, config.fit_prior_dof)
     bound = torch.finfo(out_dtype).max ** 0.25
-    return KLStatistics(*((x * (shrink if x.dim() == 1 else shrink[:, None])).nan_to_num_(0.0, 0.0, 0.0)
-                          .clamp_(-bound, bound).to(out_dtype) for x in values),
-                        eos_count=torch.zeros_like(mask) if counts is None else counts)
+    coefficients, baseline = ((x * factor).nan_to_num_(0.0, 0.0, 0.0).clamp_(-bound, bound).to(out_dtype) for x, factor in
+                              ((coefficients, shrink), (baseline if config.baseline else torch.zeros_like(baseline),
+                                                        shrink[:, None])))
+    return KLStatistics(*coefficients.unbind(), baseline, torch.zeros_like(mask) if counts is None else counts)
 
 
 def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, tail: UnseenTail, task: bool) -> None:
@@ -478,8 +473,9 @@ def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, t
     expensive for the row that draws one; counted in, they pull rho_xi toward log(1 + M) / (a~ M) without a task and
     toward 0 with one. A function of the other rows: the gradient stays exact (tests/core/test_batch_exactness.py)."""
     feature = cv_scale * tail.mass
-    moments[:, row, row] += tail.reach * feature.square()
-    raw[:, row - 1] += tail.reach * feature.square()
+    variance = tail.reach * feature.square()
+    moments[:, row, row] += variance
+    raw[:, row - 1] += variance
     if not task:
         k1 = -torch.log1p(tail.mass)
         moments[:, 0, row] += tail.reach * feature * k1
@@ -536,9 +532,7 @@ def _others_tied(values: Tensor, mask: Tensor, same: Tensor | None) -> Tensor:
     """[B] bool: the other rows of row b's group hold one value at all their real tokens (or have none), by exact
     comparison of their largest and smallest values: a function of the other rows' values alone, not of sums that
     include row b's (values [B, T], mask 0/1, same: dense group ids or None)."""
-    real = mask != 0
-    extremes = torch.stack((values.masked_fill(~real, -torch.inf).amax(-1),
-                            values.masked_fill(~real, torch.inf).amin(-1).neg_()), 1)
+    extremes = torch.stack((values, -values), 1).masked_fill_((mask == 0)[:, None], -torch.inf).amax(-1)
     largest, minus_smallest = _others_max(extremes, same).unbind(1)
     return largest <= -minus_smallest
 
@@ -578,13 +572,13 @@ def _james_stein(mean: Tensor, var_sum: Tensor, weight: Tensor, count: Tensor, t
     """lambda_b m_{b,t}: the per-position means shrunk by max(0, 1 - sum_t V_b / n_{b,t} / sum_t m_{b,t}^2), V_b the
     per-token variance pooled over positions (var_sum / total weight, corrected to count - 1 degrees of freedom).
     tokens [B] = sum_t n_{b,t}, dof [B] = sum_t max(n_{b,t} - 1, 0)."""
-    total = weight.sum(-1)
-    per_token = torch.where(dof > 0, var_sum.clamp(min=0.0) / total.clamp(min=torch.finfo(mean.dtype).tiny)
-                            * tokens / dof.clamp(min=1), 0.0)  # (a rounding-level negative sum: 0)
-    noise = per_token * torch.where(count > 0, count.reciprocal(), 0.0).sum(-1)
+    tiny = torch.finfo(mean.dtype).tiny
+    # (var_sum.clamp: a rounding-level negative sum is 0; 1 / count: inf where no other row reached t, counted as 0)
+    per_token = var_sum.clamp(min=0.0) / weight.sum(-1).clamp(min=tiny) * tokens / dof.clamp(min=1)
+    noise = per_token * count.reciprocal().nan_to_num_(0.0, 0.0, 0.0).sum(-1)
     signal = torch.linalg.vector_norm(mean, dim=-1).square()
-    shrink = torch.where((signal > 0) & (dof > 0), 1 - noise / signal.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
-    return mean.mul_(shrink.clamp(min=0.0)[:, None])
+    shrink = torch.where((signal > 0) & (dof > 0), 1 - noise / signal.clamp(min=tiny), 0.0)
+    return mean.mul_(shrink.clamp_(min=0.0)[:, None])
 
 
 class TokenCoefficients(NamedTuple):

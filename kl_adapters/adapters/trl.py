@@ -760,15 +760,14 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
 def _statistics_across_processes(trainer: GRPOTrainer, settings: Settings, logp, ref, mask, behaviour,
                                  options: dict) -> dict:
     """Loss-time statistics (none stored at rollout) over the rows of every process's micro-batch, as one process
-    holding them all would fit them (a GRPO group split across processes included): kl_term on the gathered inputs
-    (`_every_process`), this process's rows of its statistics. Returns kl_term's options with them. Pinned by
-    tests/trl/test_data_parallel.py."""
+    holding them all would fit them (a GRPO group split across processes included): kl_statistics of the gathered
+    inputs (`_every_process`; the statistics kl_term computes from a batch, which is_clip does not enter), this
+    process's rows of them. Returns kl_term's options with them. Pinned by tests/trl/test_data_parallel.py."""
     task, eos = _fitting_inputs_of_every_process(trainer, options["task"], options["eos"])
-    whole = kl_term(*(_every_process(trainer, x) for x in (logp, ref, mask)), preset=settings.preset,
-                    old_logp=_every_process(trainer, behaviour), is_clip=settings.is_clip, task=task, eos=eos,
-                    group=_every_process(trainer, options["group"]), discount=options["discount"])
-    return {"statistics": _own_rows(trainer, whole.terms.statistics, mask), "eos": options["eos"],
-            "discount": options["discount"]}
+    whole = kl_statistics(*(_every_process(trainer, x) for x in (logp, ref, mask)), preset=settings.preset,
+                          old_logp=_every_process(trainer, behaviour), task=task, eos=eos,
+                          group=_every_process(trainer, options["group"]), discount=options["discount"])
+    return {"statistics": _own_rows(trainer, whole, mask), "eos": options["eos"], "discount": options["discount"]}
 
 
 def _every_process(trainer: GRPOTrainer, x: torch.Tensor | None) -> torch.Tensor | None:

@@ -26,6 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from kl_adapters import kl_statistics  # noqa: E402
 
 
+#: the package directory whose functions the per-part count names
+PACKAGE = str(Path(kl_statistics.__code__.co_filename).parent)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every aten op dispatched inside the block, by name, and by the kl_adapters function that dispatched it
     (the innermost kl_adapters frame on the Python stack: the part of the fit it belongs to)."""
@@ -43,10 +47,6 @@ class OpCounter(TorchDispatchMode):
         if frame is not None:
             self.parts[f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}"] += 1
         return func(*args, **(kwargs or {}))
-
-
-#: the package directory whose functions the per-part count names
-PACKAGE = str(Path(kl_statistics.__code__.co_filename).parent)
 
 
 def count(fn) -> OpCounter:

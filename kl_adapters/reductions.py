@@ -478,8 +478,9 @@ def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, t
     raw[:, row - 1] += variance
     if not task:
         k1 = -torch.log1p(tail.mass)
-        moments[:, 0, row] += tail.reach * feature * k1
-        moments[:, row, 0] += tail.reach * feature * k1
+        covariance = tail.reach * feature * k1
+        moments[:, 0, row] += covariance
+        moments[:, row, 0] += covariance
         moments[:, 0, 0] += tail.reach * k1.square()
 
 

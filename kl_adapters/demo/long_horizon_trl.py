@@ -130,11 +130,19 @@ def run_trl(problem: LongHorizonProblem, config: str, settings: LongSettings, pr
 
 def gradient_variance(problem: LongHorizonProblem, model: torch.nn.Module, configs: list[str], group: int,
                       batches: int, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Per configuration, over `batches` groups of `group` completions sampled from `model`'s policy (the same groups
-    for every configuration): the mean training gradient's norm, the trace of its covariance ("trace"), and the
-    trace's standard error (jackknife over the groups). The gradient is that of the trainer's compute_loss with the
-    groups' GRPO advantages (task + KL), divided by TRL's KL scale beta_TRL / (G T) (`trl_runner.check_losses`); each
-    configuration gets its own trainer (TRL keeps some settings, beta among them, on the trainer itself)."""
+    """Per configuration, `trace_stats` of its `training_gradients`: the mean training gradient's norm, the trace of
+    its covariance ("trace") and the trace's standard error (jackknife over the groups)."""
+    return {config: trace_stats(grads) for config, grads in
+            training_gradients(problem, model, configs, group, batches, seed).items()}
+
+
+def training_gradients(problem: LongHorizonProblem, model: torch.nn.Module, configs: list[str], group: int,
+                       batches: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Per configuration, [batches, P] float64: the training gradient of each of `batches` groups of `group`
+    completions sampled from `model`'s policy (the same groups for every configuration). The gradient is that of the
+    trainer's compute_loss with the groups' GRPO advantages (task + KL), divided by TRL's KL scale beta_TRL / (G T)
+    (`trl_runner.check_losses`); each configuration gets its own trainer (TRL keeps some settings, beta among them,
+    on the trainer itself)."""
     generator = torch.Generator().manual_seed(seed)
     groups: list[Batch] = [batch_of(problem, sample(model, problem, group, generator)) for _ in range(batches)]
     scale = problem.beta * (group - 1) / group / (group * problem.horizon)  # TRL's beta / (G T), as for training
@@ -150,11 +158,11 @@ def gradient_variance(problem: LongHorizonProblem, model: torch.nn.Module, confi
             g = torch.autograd.grad(loss(trainer.model, batch), params, allow_unused=True)
             grads.append(torch.cat([(torch.zeros_like(p) if x is None else x).flatten().double()
                                     for x, p in zip(g, params)]) / scale)
-        out[config] = _trace_stats(torch.stack(grads))
+        out[config] = torch.stack(grads)
     return out
 
 
-def _trace_stats(grads: torch.Tensor) -> dict[str, float]:
+def trace_stats(grads: torch.Tensor) -> dict[str, float]:
     """Mean norm, covariance trace and the trace's jackknife standard error of [n, P] gradient samples."""
     n = grads.shape[0]
     total, squares = grads.sum(0), (grads * grads).sum(1)

@@ -1,7 +1,7 @@
 """The variance reductions' benefit on the long-horizon GPT-2, pinned (issue 36 part 1): on
 kl_adapters.demo.long_horizon_problem at T = 32 (beta 0.2, seed 0), at the policy after 50 steps of a `sequence-plain`
 run through TRL's GRPOTrainer.train() (G = 32, lr 3e-3: bench/long_horizon.py's settings), the task + KL gradient
-TRL's compute_loss takes (`long_horizon_trl.gradient_variance`, 32 fixed-seed groups of 32 completions, the same
+TRL's compute_loss takes (`long_horizon_trl.training_gradients`, 32 fixed-seed groups of 32 completions, the same
 groups for both) has a lower covariance trace under `sequence` than under `sequence-plain` (the same unbiased
 estimator without the fitted statistics), by far more than the ratio's standard error (a jackknife over the groups,
 paired: both traces leave out the same group); with the fit switched off (`ReductionConfig(fit=False)`) the ratio is 1
@@ -45,35 +45,29 @@ def policy():
     torch.set_num_threads(threads)
 
 
-def total_ratio(policy, monkeypatch) -> tuple[float, float]:
+def total_ratio(policy) -> tuple[float, float]:
     """(ratio, paired jackknife standard error) of tr Cov of the task + KL gradient, sequence / sequence-plain, on
-    the same groups (the per-group gradients read where gradient_variance hands them to its statistics)."""
-    grads = []
-
-    def keep(g: torch.Tensor) -> dict[str, float]:
-        grads.append(g)
-        return trace_stats(g)
-
-    trace_stats = long_horizon_trl._trace_stats
-    monkeypatch.setattr(long_horizon_trl, "_trace_stats", keep)
-    long_horizon_trl.gradient_variance(PROBLEM, policy, ["sequence", "sequence-plain"], GROUP, GROUPS, seed=STEPS)
-    sequence, plain = grads
+    the same groups."""
+    grads = long_horizon_trl.training_gradients(PROBLEM, policy, ["sequence", "sequence-plain"], GROUP, GROUPS,
+                                                seed=STEPS)
+    sequence, plain = grads["sequence"], grads["sequence-plain"]
 
     def ratio(rows: torch.Tensor) -> float:
-        return trace_stats(sequence[rows])["trace"] / trace_stats(plain[rows])["trace"]
+        return (long_horizon_trl.trace_stats(sequence[rows])["trace"]
+                / long_horizon_trl.trace_stats(plain[rows])["trace"])
 
     n = len(sequence)
     loo = torch.tensor([ratio(torch.arange(n) != i) for i in range(n)])
     return ratio(torch.ones(n, dtype=torch.bool)), float(((n - 1) / n * ((loo - loo.mean()) ** 2).sum()).sqrt())
 
 
-def test_sequence_trains_a_less_noisy_gradient_than_sequence_plain_at_t32(policy, monkeypatch):
-    ratio, se = total_ratio(policy, monkeypatch)
+def test_sequence_trains_a_less_noisy_gradient_than_sequence_plain_at_t32(policy):
+    ratio, se = total_ratio(policy)
     assert ratio < THRESHOLD and ratio + 5 * se < 1, (
         f"T = 32: sequence / sequence-plain task + KL variance {ratio:.3f} +- {se:.3f} (must be < {THRESHOLD})")
 
 
-def test_the_long_horizon_pin_fails_with_the_fit_switched_off(policy, monkeypatch):
+def test_the_long_horizon_pin_fails_with_the_fit_switched_off(policy):
     with reduction_config(ReductionConfig(fit=False)):
-        ratio, _ = total_ratio(policy, monkeypatch)
+        ratio, _ = total_ratio(policy)
     assert abs(ratio - 1) < 1e-12 and not ratio < THRESHOLD

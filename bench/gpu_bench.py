@@ -8,8 +8,9 @@ KL needs both models' logits, so it has no KL-term-alone row) <= 1.15 / 1.1.
             (verl_overhead.py's step, low_var_kl vs kl_adapters:sequence); openrlhf: ActorPPOTrainer.training_step of an
             84M-parameter Llama (openrlhf_overhead.py's step, k3 loss vs --algo.kl.preset sequence)
   kl_term   the KL term alone at 8 x 4096 response tokens, forward + backward on log-prob leaves: kl_surrogate vs
-            the k3 token-mean term (every env); verl's ppo_loss at that shape (low_var_kl vs kl_adapters:sequence);
-            OpenRLHF's compute_approx_kl path (openrlhf_overhead.py's kl_term)
+            the k3 token-mean term (every env), with statistics from the batch, with the fit switched off (the floor
+            of any fit: bench/kl_term_floor.py) and precomputed; verl's ppo_loss at that shape (low_var_kl vs
+            kl_adapters:sequence); OpenRLHF's compute_approx_kl path (openrlhf_overhead.py's kl_term)
 Peak memory: torch.cuda.max_memory_allocated over one call of each configuration, after a reset (median of 3 rounds).
 
 On a GPU: writes bench/results/gpu_<framework>_<device>.json (write_result: command, environment, device) and a copy to
@@ -74,8 +75,12 @@ def measure(fns: dict, repeats: int, before=None) -> dict:
 
 
 def kl_term_core(device: str, gpu: bool, repeats: int) -> dict:
-    """kl_surrogate(sequence) vs the k3 token-mean term, forward + backward on a [B, T] log-prob leaf."""
-    from kl_adapters import kl_surrogate
+    """kl_surrogate(sequence) vs the k3 token-mean term, forward + backward on a [B, T] log-prob leaf ("kl_term",
+    statistics from the batch); the same with the fit switched off ("kl_term_fit_off": the statistics' inputs without
+    the fit, the floor any fit starts from, bench/kl_term_floor.py) and with statistics precomputed outside the timing
+    ("kl_term_precomputed")."""
+    from kl_adapters import kl_statistics, kl_surrogate
+    from kl_adapters.reductions import ReductionConfig, reduction_config
 
     batch, length = KL_SHAPE[gpu]
     gen = torch.Generator().manual_seed(0)
@@ -84,17 +89,27 @@ def kl_term_core(device: str, gpu: bool, repeats: int) -> dict:
     ref = (-3 * torch.rand(batch, length, generator=gen)).to(device)
     old = (ref + 0.2 * torch.randn(batch, length, generator=gen).to(device)) * mask
     logp = old.clone().requires_grad_(True)
+    stats = kl_statistics(logp.detach(), ref, mask, old_logp=old)
 
     def k3():
         logp.grad = None
         d = (ref - logp) * mask
         ((d.exp() - d - 1) * mask).sum().div(mask.sum()).backward()
 
-    def sequence():
-        logp.grad = None
-        kl_surrogate(logp, ref, mask, preset="sequence", beta=1.0 / batch, old_logp=old).backward()
+    def sequence(**kw):
+        def run():
+            logp.grad = None
+            kl_surrogate(logp, ref, mask, preset="sequence", beta=1.0 / batch, old_logp=old, **kw).backward()
+        return run
 
-    return {"shape": [batch, length], "native": "k3 token-mean", **measure({NATIVE: k3, ADAPTER: sequence}, repeats)}
+    def fit_off():
+        with reduction_config(ReductionConfig(fit=False)):
+            sequence()()
+
+    info = {"shape": [batch, length], "native": "k3 token-mean"}
+    return {"kl_term": {**info, **measure({NATIVE: k3, ADAPTER: sequence()}, repeats)},
+            "kl_term_fit_off": {**info, **measure({NATIVE: k3, ADAPTER: fit_off}, repeats)},
+            "kl_term_precomputed": {**info, **measure({NATIVE: k3, ADAPTER: sequence(statistics=stats)}, repeats)}}
 
 
 def trl_bench(device: str, gpu: bool, repeats: int) -> dict:
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = a.repeats if gpu else 2
     torch.manual_seed(0)
     result = {"framework": a.framework, "device": torch.cuda.get_device_name(0) if gpu else "cpu (smoke configuration)",
-              "repeats": repeats, "kl_term": kl_term_core(device, gpu, repeats),
+              "repeats": repeats, **kl_term_core(device, gpu, repeats),
               **BENCHES[a.framework](device, gpu, repeats)}
     result["goal"] = {"step_time_ratio": 1.005, "peak_memory_ratio": 1.01, "full": {"step_time_ratio": 1.15,
                                                                                      "peak_memory_ratio": 1.1}}

@@ -79,8 +79,9 @@ def kl_term_core(device: str, gpu: bool, repeats: int) -> dict:
     statistics from the batch); the same with the fit switched off ("kl_term_fit_off": the statistics' inputs without
     the fit, the floor any fit starts from, bench/kl_term_floor.py) and with statistics precomputed outside the timing
     ("kl_term_precomputed")."""
+    from kl_term_floor import without_fit
+
     from kl_adapters import kl_statistics, kl_surrogate
-    from kl_adapters.reductions import ReductionConfig, reduction_config
 
     batch, length = KL_SHAPE[gpu]
     gen = torch.Generator().manual_seed(0)
@@ -102,13 +103,9 @@ def kl_term_core(device: str, gpu: bool, repeats: int) -> dict:
             kl_surrogate(logp, ref, mask, preset="sequence", beta=1.0 / batch, old_logp=old, **kw).backward()
         return run
 
-    def fit_off():
-        with reduction_config(ReductionConfig(fit=False)):
-            sequence()()
-
     info = {"shape": [batch, length], "native": "k3 token-mean"}
     return {"kl_term": {**info, **measure({NATIVE: k3, ADAPTER: sequence()}, repeats)},
-            "kl_term_fit_off": {**info, **measure({NATIVE: k3, ADAPTER: fit_off}, repeats)},
+            "kl_term_fit_off": {**info, **measure({NATIVE: k3, ADAPTER: without_fit(sequence())}, repeats)},
             "kl_term_precomputed": {**info, **measure({NATIVE: k3, ADAPTER: sequence(statistics=stats)}, repeats)}}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from kl_term_cost import SHAPES, batch, configs  # noqa: E402
+from kl_term_cost import SHAPES, batch, configs, shape_name  # noqa: E402
 from timing import write_result_and_table  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> int:
                           "sequence-plain term": terms["sequence-plain"],
                           "sequence term (from the batch)": terms["sequence"],
                           "sequence term (precomputed)": terms["sequence+stats"]}
-        name = f"{b}x{t}" + ("" if off_policy else " on-policy")
+        name = shape_name(b, t, off_policy)
         counters = {c: count(fn) for c, fn in configurations.items()}
         rows[name] = {c: {"total": sum(v.ops.values()), "by_op": dict(v.ops.most_common()),
                           "by_part": dict(v.parts.most_common())} for c, v in counters.items()}

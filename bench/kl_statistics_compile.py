@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from kl_term_cost import SHAPES, batch  # noqa: E402
+from kl_term_cost import SHAPES, batch, shape_name  # noqa: E402
 from timing import alternating, write_result_and_table  # noqa: E402
 
 from kl_adapters import kl_statistics  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> int:
         times = alternating({"eager": lambda: kl_statistics(logp, ref, mask, **kwargs),
                              "compiled": lambda: compiled(logp, ref, mask, **kwargs)}, repeats=args.repeats)
         med = {c: 1e3 * statistics.median(v) for c, v in times.items()}
-        name = f"{b}x{t}" + ("" if off_policy else " on-policy")
+        name = shape_name(b, t, off_policy)
         results[name] = {"median_ms": med, "ratio": med["compiled"] / med["eager"], "compile_s": compile_s,
                          "graphs": explained.graph_count, "graph_breaks": explained.graph_break_count,
                          "largest_relative_difference": diff}

@@ -30,6 +30,11 @@ from kl_adapters import EndOfSequence, TaskAdvantages, kl_statistics, kl_term  #
 SHAPES = [(8, 4096, True), (64, 512, True), (8, 4096, False)]
 
 
+def shape_name(b: int, t: int, off_policy: bool) -> str:
+    """A shape's row name in the results of this script and the scripts built on its batches."""
+    return f"{b}x{t}" + ("" if off_policy else " on-policy")
+
+
 def batch(b: int, t: int, device: str):
     gen = torch.Generator(device=device).manual_seed(0)
     logp = -torch.rand(b, t, generator=gen, device=device) * 2
@@ -76,7 +81,7 @@ def main() -> int:
                                ("reward-plain", "reward")):
             cmp = compare(times, plain, reduced)
             row[f"{reduced}/{plain}"] = {"ratio": cmp["ratio"], "median_paired_ratio": cmp["median_paired_ratio"]}
-        name = f"{b}x{t}" + ("" if off_policy else " on-policy")
+        name = shape_name(b, t, off_policy)
         results[name] = row
         cells = "  ".join(f"{c} {ms:.2f} ms" for c, ms in row["median_ms"].items())
         print(f"{name}: {cells}")

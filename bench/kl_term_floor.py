@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from kl_term_cost import SHAPES, batch, configs  # noqa: E402
+from kl_term_cost import SHAPES, batch, configs, shape_name  # noqa: E402
 from timing import alternating, compare, write_result_and_table  # noqa: E402
 
 from kl_adapters.reductions import ReductionConfig, reduction_config  # noqa: E402
@@ -49,7 +49,7 @@ def main() -> int:
         fns = {"sequence-plain": terms["sequence-plain"], "sequence": terms["sequence"],
                "sequence, fit off": without_fit(terms["sequence"]), "sequence, precomputed": terms["sequence+stats"]}
         times = alternating(fns, repeats=args.repeats)
-        name = f"{b}x{t}" + ("" if off_policy else " on-policy")
+        name = shape_name(b, t, off_policy)
         results[name] = {"median_ms": {c: 1e3 * statistics.median(v) for c, v in times.items()}}
         for config in fns:
             cmp = compare(times, "sequence-plain", config)

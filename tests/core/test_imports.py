@@ -6,7 +6,8 @@ counts, at module level and inside functions alike (a lazy import still ties the
 module named (`from .x import f` -> `x`; `from . import x` -> the submodule `x` when there is one).
 
 The layers, lowest first: the core (`kl_adapters` and its top-level modules), `adapters`, then `doctor` and `demo`
-(side by side: neither imports the other), `demo.task`, and `cli` on top. A module imports only from its own layer
+(side by side: neither imports the other), `measure` (reads configurations with the doctor), `demo.task`, and `cli`
+on top. A module imports only from its own layer
 and those below. The demo's drivers (`demo.run`, `demo.long_horizon_run`, `demo.task.driver`) are entry points:
 nothing in the package but `cli` imports them, and what they share lives in `demo.output`.
 """
@@ -25,8 +26,9 @@ MAY_IMPORT = {
     "adapters": {"core", "adapters"},
     "doctor": {"core", "adapters", "doctor"},
     "demo": {"core", "adapters", "demo"},
+    "measure": {"core", "adapters", "doctor", "measure"},
     "demo.task": {"core", "adapters", "demo", "demo.task"},
-    "cli": {"core", "adapters", "doctor", "demo", "demo.task", "cli"},
+    "cli": {"core", "adapters", "doctor", "measure", "demo", "demo.task", "cli"},
 }
 #: entry points: imported by `cli` only
 DRIVERS = {"kl_adapters.demo.run", "kl_adapters.demo.long_horizon_run", "kl_adapters.demo.task.driver"}
@@ -157,7 +159,7 @@ def layer(module: str) -> str:
         return "cli"
     if rest[:2] == ["demo", "task"]:
         return "demo.task"
-    if rest[:1] in (["adapters"], ["doctor"], ["demo"]):
+    if rest[:1] in (["adapters"], ["doctor"], ["measure"], ["demo"]):
         return rest[0]
     return "core"
 

@@ -34,6 +34,10 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .presets import Preset
 
 ENV_VAR = "KL_ADAPTERS"
 _OFF = ("", "0", "off", "none", "false")
@@ -66,6 +70,13 @@ class Settings:
         options = [f"{key}={float(value)!r}" for key, value in (("is_clip", self.is_clip),
                                                                 ("kl_target", self.kl_target)) if value is not None]
         return self.preset + (":" + ",".join(options) if options else "")
+
+    @property
+    def spec(self) -> Preset:
+        """The preset named, resolved (imports torch): the one lookup the adapters make, passing this object down."""
+        from .presets import get_preset
+
+        return get_preset(self.preset)
 
 
 class SettingError(ValueError):
@@ -124,9 +135,7 @@ def validate(settings: Settings, *, check_preset: bool = True) -> None:
     if settings.kl_target is not None:
         check_target(settings.kl_target)
     if check_preset:
-        from .presets import get_preset
-
-        check_is_clip(settings.is_clip, get_preset(settings.preset))
+        check_is_clip(settings.is_clip, settings.spec)
         if settings.kl_target is not None:
             check_budget_preset(settings.preset, settings.is_clip)
 

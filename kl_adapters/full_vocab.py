@@ -46,7 +46,6 @@ says so.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -54,6 +53,7 @@ from torch import Tensor
 from ._validate import (check_batch, check_beta, check_discount, check_eos, check_group, check_statistics,
                         check_statistics_options, check_task, eos_rule)
 from .estimators import as_float, capped, reverse_cumsum, working_dtype
+from .options import KLOptions
 from .presets import FULL
 from .reductions import (EndOfSequence, KLStatistics, Returns, TaskAdvantages, batch_statistics, fade_baseline_,
                          others_sum_, past_kl, relative_returns, same_group, score_weight, termination_counts,
@@ -200,25 +200,14 @@ def _chunk_grad(p: Tensor, centred: Tensor, y: Tensor, path_w: Tensor, score_c: 
 ChunkLogits = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
-@dataclass(frozen=True)
-class _Options:
-    """The statistics-related arguments of the public functions, passed through autograd.Function.apply as one."""
-
-    statistics: KLStatistics | None
-    group: Tensor | None
-    task: TaskAdvantages | None
-    eos: EndOfSequence | None
-    discount: float = 1.0
-
-
 def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], tokens: Tensor, mask: Tensor,
-             old_logp: Tensor | None, logp: Tensor | None, options: _Options, chunk_size: int, dtype: torch.dtype
-             ) -> tuple[Tensor, Tensor]:
+             logp: Tensor | None, options: KLOptions, chunk_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Returns ((1/B) sum_b sum_t w_{1:t-1} KL_t, the score weights c / B [B, T], detached) and hands on_grad(indices,
     grad) each chunk's gradient with respect to its logits: of (1/B) [sum w KL + sum c log pi(y)] in a second pass
     when logp is None; of (1/B) sum w KL in the one pass when logp (detached here) is given, the caller adding
     sum c log pi(y) through its own logp (module docstring, "Passes")."""
     batch, horizon = tokens.shape
+    old_logp = options.old_logp
     m = mask if mask.dtype == torch.bool else mask != 0
     mf = as_float(m, dtype)
     flat = m.flatten().nonzero()[:, 0]
@@ -305,7 +294,7 @@ def _forward(logits_of: ChunkLogits, on_grad: Callable[[Tensor, Tensor], None], 
 
 class _FullFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ref_logits, tokens, mask, old_logp, logp, options, chunk_size):
+    def forward(ctx, logits, ref_logits, tokens, mask, logp, options, chunk_size):
         vocab = logits.shape[-1]
         flat_logits, flat_ref = logits.detach().reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab)
         grad = torch.zeros_like(flat_logits) if logits.requires_grad else None
@@ -314,8 +303,8 @@ class _FullFromLogits(torch.autograd.Function):
             if grad is not None:
                 grad[index] = g.to(grad.dtype)
 
-        value, score = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, old_logp, logp,
-                                options, chunk_size, working_dtype(logits, ref_logits, old_logp, logp))
+        value, score = _forward(lambda i: (flat_logits[i], flat_ref[i]), on_grad, tokens, mask, logp, options,
+                                chunk_size, working_dtype(logits, ref_logits, options.old_logp, logp))
         ctx.save_for_backward(None if grad is None else grad.view_as(logits))
         ctx.mark_non_differentiable(score)
         return value, score
@@ -323,12 +312,12 @@ class _FullFromLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_score):
         (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_out.to(grad.dtype)), *(None,) * 7
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), *(None,) * 6
 
 
 class _FullFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp, logp, options, chunk_size):
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, tokens, mask, logp, options, chunk_size):
         h, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
         h_ref, w_ref = ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach()
         grad_h = torch.zeros_like(h) if hidden.requires_grad else None
@@ -341,9 +330,8 @@ class _FullFromHidden(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.addmm_(g.t().to(acc), h[index].to(acc))
 
-        value, score = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, old_logp, logp,
-                                options, chunk_size,
-                                working_dtype(hidden, weight, ref_hidden, ref_weight, old_logp, logp))
+        value, score = _forward(lambda i: (h[i] @ w.t(), h_ref[i] @ w_ref.t()), on_grad, tokens, mask, logp, options,
+                                chunk_size, working_dtype(hidden, weight, ref_hidden, ref_weight, options.old_logp, logp))
         ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden),
                               None if grad_w is None else grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(score)
@@ -353,7 +341,7 @@ class _FullFromHidden(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_score):
         grad_h, grad_w = ctx.saved_tensors
         return ((None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)),
-                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 8)
+                (None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)), *(None,) * 7)
 
 
 def _with_score_term(value: Tensor, score: Tensor, logp: Tensor | None, mask: Tensor) -> Tensor:
@@ -365,15 +353,13 @@ def _with_score_term(value: Tensor, score: Tensor, logp: Tensor | None, mask: Te
     return value + (term - term.detach())
 
 
-def _options(beta: float | Tensor, chunk_size: int, statistics: KLStatistics | None, group: Tensor | None,
-             task: TaskAdvantages | None, eos: EndOfSequence | None, discount: float) -> _Options:
-    """The public functions' common checks; their statistics-related arguments as one `_Options`."""
+def _check_options(beta: float | Tensor, chunk_size: int, options: KLOptions) -> None:
+    """The public functions' common checks of their scalar arguments and options."""
     check_beta(beta)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check_statistics_options(statistics, group, task)
-    check_discount(discount, FULL)
-    return _Options(statistics, group, task, eos, discount)
+    check_statistics_options(options.statistics, options.group, options.task)
+    check_discount(options.discount, FULL)
 
 
 def _check_logps(old_logp: Tensor | None, logp: Tensor | None, tokens: Tensor) -> None:
@@ -417,7 +403,8 @@ def full_kl_surrogate(
     autograd graph (e.g. the ones the task loss uses): one pass over the chunks instead of two, the score part of the
     gradient flowing through logp (module docstring, "Passes"). Pinned by tests/core/test_full_vocab.py.
     """
-    options = _options(beta, chunk_size, statistics, group, task, eos, discount)
+    options = KLOptions(old_logp=old_logp, statistics=statistics, group=group, task=task, eos=eos, discount=discount)
+    _check_options(beta, chunk_size, options)
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
@@ -425,8 +412,8 @@ def full_kl_surrogate(
     _check_logps(old_logp, logp, tokens)
     if ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits has shape {tuple(ref_logits.shape)}, expected {tuple(logits.shape)}")
-    value, score = _FullFromLogits.apply(logits, ref_logits, tokens, mask, old_logp,
-                                         None if logp is None else logp.detach(), options, chunk_size)
+    value, score = _FullFromLogits.apply(logits, ref_logits, tokens, mask, None if logp is None else logp.detach(),
+                                         options, chunk_size)
     return beta * _with_score_term(value, score, logp, mask)
 
 
@@ -456,7 +443,8 @@ def full_kl_surrogate_from_hidden(
     O(chunk_size x V) plus a float32 [V, H] gradient accumulator (tests/core/test_full_vocab.py::
     test_hidden_path_never_materializes_full_logits).
     """
-    options = _options(beta, chunk_size, statistics, group, task, eos, discount)
+    options = KLOptions(old_logp=old_logp, statistics=statistics, group=group, task=task, eos=eos, discount=discount)
+    _check_options(beta, chunk_size, options)
     for name, t in (("hidden", hidden), ("weight", weight), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
@@ -467,6 +455,6 @@ def full_kl_surrogate_from_hidden(
             raise ValueError(f"{name} must be [V, H] with H = {h.shape[-1]}, got {tuple(w.shape)}")
     if ref_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"ref_weight has {ref_weight.shape[0]} rows (vocabulary), weight has {weight.shape[0]}")
-    value, score = _FullFromHidden.apply(hidden, weight, ref_hidden, ref_weight, tokens, mask, old_logp,
+    value, score = _FullFromHidden.apply(hidden, weight, ref_hidden, ref_weight, tokens, mask,
                                          None if logp is None else logp.detach(), options, chunk_size)
     return beta * _with_score_term(value, score, logp, mask)

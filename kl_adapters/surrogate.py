@@ -30,19 +30,20 @@ from torch import Tensor
 from ._validate import (check_beta, check_discount, check_eos, check_group, check_is_clip,
                         check_statistics, check_statistics_options, check_task, checked_batch, eos_rule)
 from .estimators import as_float, reverse_cumsum, working_dtype
+from .options import KLOptions
 from .presets import Preset, Terms, get_preset
 from .reductions import (EndOfSequence, KLStatistics, TaskAdvantages, increments_from_counts,
                          sampled_token_statistics, termination_counts)
 
 
-def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, old_logp: Tensor | None, is_clip: float | None,
-           statistics: KLStatistics | None = None, task: TaskAdvantages | None = None,
-           eos: EndOfSequence | None = None, discount: float = 1.0):
+def _terms(logp: Tensor, ref_logp: Tensor, mask: Tensor, options: KLOptions):
     """Validate, cast to the working dtype, zero the padding before any nonlinearity; return (masked logp, Terms).
 
-    Given statistics, task advantages and end-of-sequence probabilities are validated in the same host
-    synchronisation and attached to Terms in the working dtype.
+    Given statistics, task advantages and end-of-sequence probabilities (`options`; its group is not read here) are
+    validated in the same host synchronisation and attached to Terms in the working dtype.
     """
+    old_logp, is_clip, statistics, task, eos, discount = (options.old_logp, options.is_clip, options.statistics,
+                                                          options.task, options.eos, options.discount)
     finite = {}
     for value, check in ((statistics, check_statistics), (task, check_task), (eos, check_eos)):
         if value is not None:
@@ -95,21 +96,19 @@ def _statistics_of(t: Terms, group: Tensor | None, spec: Preset | None = None) -
                                     t.discount, t.eos_count)
 
 
-def _check_options(spec: Preset, is_clip: float | None, statistics: KLStatistics | None, group: Tensor | None,
-                   task: TaskAdvantages | None, eos: EndOfSequence | None, computing: bool = False,
-                   discount: float = 1.0) -> None:
+def _check_options(spec: Preset, o: KLOptions, computing: bool = False) -> None:
     """Refuse option combinations that would be silent no-ops (before any tensor is read)."""
-    check_discount(discount, spec)
+    check_discount(o.discount, spec)
     if spec.needs_full_logits:
         return  # refused with its own message by the preset's weight function
-    check_is_clip(is_clip, spec)
+    check_is_clip(o.is_clip, spec)
     if not spec.uses_batch_statistics:
-        given = [n for n, v in (("statistics", statistics), ("group", group), ("task", task), ("eos", eos))
+        given = [n for n, v in (("statistics", o.statistics), ("group", o.group), ("task", o.task), ("eos", o.eos))
                  if v is not None]
         if given or computing:
             raise ValueError(f"preset {spec.name!r} uses no batch statistics, so {'/'.join(given) or 'kl_statistics'} "
                              "would be a silent no-op")
-    check_statistics_options(statistics, group, task)
+    check_statistics_options(o.statistics, o.group, o.task)
 
 
 def _is_ess(t: Terms) -> Tensor:
@@ -159,6 +158,26 @@ class KLTerm:
         terms = terms.with_changes(is_clip=None, discount=1.0)
         return spec.coefficients(terms) * terms.mask
 
+    def weight_gap_parts(self, native: str | Preset, *, on_policy: bool = False) -> Tensor:
+        """[2]: (sum |c_native - c|, sum |c|) over the batch's tokens, c_native = `coefficients_of(native,
+        on_policy=on_policy)` (a framework's own KL loss); summed over data-parallel ranks before `weight_gap` where
+        the batch is split."""
+        c = self.coefficients
+        return torch.stack(((self.coefficients_of(native, on_policy=on_policy) - c).abs().sum(), c.abs().sum()))
+
+    def grad_weight_gap(self, native: str | Preset, *, on_policy: bool = False) -> Tensor:
+        """0-dim `weight_gap` of this batch: how far the gradient of `native`'s per-token weights is from the preset's
+        (the adapters' kl_adapters/grad_weight_gap)."""
+        return weight_gap(self.weight_gap_parts(native, on_policy=on_policy))
+
+
+def weight_gap(parts: Tensor) -> Tensor:
+    """sum |c_native - c_preset| / sum |c_preset| from [..., 2] `KLTerm.weight_gap_parts` (summed first over whatever
+    the batch is split across): 0 when the two weights agree token for token, and 0 when the preset's weights are all
+    zero (nothing to compare with). The one formula of the kl_adapters/grad_weight_gap metric (adapters/metrics.py)."""
+    gap, size = parts.unbind(-1)
+    return torch.where(size > 0, gap / size.clamp(min=torch.finfo(size.dtype).tiny), 0.0)
+
 
 def _surrogate(term: KLTerm, beta: float | Tensor) -> Tensor:
     """beta (1/B) sum_b (value_b + sum_t c grad logp); an empty batch (B = 0) gives 0 with a graph through logp (a
@@ -190,12 +209,18 @@ def kl_term(
     a discountable preset (`Preset.discountable`: sequence, reward, their plain forms, full) to sum_{s>t} gamma^(s-t)
     ...: lower variance at long horizons, biased (`kl-adapters audit --discount` measures it); 1 = exact.
     """
-    spec = get_preset(preset)
-    _check_options(spec, is_clip, statistics, group, task, eos, discount=discount)
-    lp, t = _terms(logp, ref_logp, mask, old_logp, is_clip, statistics, task, eos, discount)
-    if spec.uses_batch_statistics and statistics is None:
-        check_group(group, logp)
-        t = t.with_changes(statistics=_statistics_of(t, group, spec))
+    options = KLOptions(old_logp=old_logp, is_clip=is_clip, statistics=statistics, group=group, task=task, eos=eos,
+                        discount=discount)
+    return _kl_term(logp, ref_logp, mask, get_preset(preset), options)
+
+
+def _kl_term(logp: Tensor, ref_logp: Tensor, mask: Tensor, spec: Preset, o: KLOptions) -> KLTerm:
+    """`kl_term` with the preset resolved and the options gathered."""
+    _check_options(spec, o)
+    lp, t = _terms(logp, ref_logp, mask, o)
+    if spec.uses_batch_statistics and o.statistics is None:
+        check_group(o.group, logp)
+        t = t.with_changes(statistics=_statistics_of(t, o.group, spec))
     return KLTerm(logp=lp, terms=t, coefficients=spec.coefficients(t) * t.mask, sequence_kl=_value_per_sequence(t),
                   is_ess=_is_ess(t))
 
@@ -226,8 +251,9 @@ def kl_statistics(
     if spec.needs_full_logits:
         raise ValueError("preset 'full' computes its statistics from both models' full distributions: use "
                          "kl_adapters.full_statistics")
-    _check_options(spec, None, None, group, task, eos, computing=True, discount=discount)
-    _, t = _terms(logp, ref_logp, mask, old_logp, None, None, task, eos, discount)
+    options = KLOptions(old_logp=old_logp, group=group, task=task, eos=eos, discount=discount)
+    _check_options(spec, options, computing=True)
+    _, t = _terms(logp, ref_logp, mask, options)
     check_group(group, logp)
     return _statistics_of(t, group, spec)
 
@@ -266,11 +292,11 @@ def kl_surrogate(
     is_clip caps every importance weight the preset uses (w_{1:t} or rho_t) at is_clip: lower variance, but biased
     (measured by `kl-adapters audit`). Off by default. Returned in the working dtype (float32 or float64).
     """
-    get_preset(preset)  # an unknown name is reported before anything else
+    spec = get_preset(preset)  # an unknown name is reported before anything else
     check_beta(beta)
-    term = kl_term(logp, ref_logp, mask, preset=preset, old_logp=old_logp, is_clip=is_clip, statistics=statistics,
-                   group=group, task=task, eos=eos, discount=discount)
-    return _surrogate(term, beta)
+    options = KLOptions(old_logp=old_logp, is_clip=is_clip, statistics=statistics, group=group, task=task, eos=eos,
+                        discount=discount)
+    return _surrogate(_kl_term(logp, ref_logp, mask, spec, options), beta)
 
 
 def kl_coefficients(
@@ -312,7 +338,7 @@ def kl_reward(
     *current* policy: a penalty computed from stale (rollout-time) log-probs is biased off-policy.
     """
     check_beta(beta)
-    _, t = _terms(logp, ref_logp, mask, None, None)
+    _, t = _terms(logp, ref_logp, mask, KLOptions())
     kl = reverse_cumsum(t.k1) if to_go else t.k1
     return -beta * kl * t.mask
 
@@ -326,7 +352,7 @@ def sequence_kl(
     is_clip: float | None = None,
 ) -> Tensor:
     """Per-sequence estimate [B] of KL_seq: sum_t w_{1:t} k3_t, detached (unbiased when is_clip is None)."""
-    _, t = _terms(logp, ref_logp, mask, old_logp, is_clip)
+    _, t = _terms(logp, ref_logp, mask, KLOptions(old_logp=old_logp, is_clip=is_clip))
     return _value_per_sequence(t)
 
 

@@ -1,5 +1,5 @@
 """One patching mechanism for the three adapters: wrap a framework's functions where it looks them up, check each one's
-signature first, and give back the original objects.
+signature first, and give back the original objects; and one way for the wrappers to hand each other values.
 
 An adapter lists its `Site`s (the function, the leading parameters its wrapper relies on, the wrapper factory) and
 calls `install(framework, version, module, sites)` from its ``patch`` (`version`: `_guard.require_version`'s) and
@@ -7,19 +7,29 @@ calls `install(framework, version, module, sites)` from its ``patch`` (`version`
 the adapter was written for, with an `UnsupportedFrameworkError` naming the framework release and the tested ones,
 before anything is replaced; it is idempotent (a site already wrapped is skipped). Each wrapper carries the object it
 replaced (``ORIGINAL``), so `uninstall` sets every wrapped attribute back to that very object: with the adapters
-unpatched the framework runs its own functions, the identical objects (each suite's flag-off tests). Imports neither
-torch nor any framework.
+unpatched the framework runs its own functions, the identical objects (each suite's flag-off tests).
+
+State between wrappers (`Scoped`): a wrapper that knows something an inner call of the framework needs (the batch of a
+training step, the request to read pi(EOS) from a forward's logits) binds it for the extent of its own call,
+``with STEP.bound(value): original(...)``; the wrappers the framework calls inside read ``STEP.get()`` (None outside
+any such call: the framework's own code path, unchanged). Each thread and asyncio task sees its own values
+(contextvars), and the previous value is back when the block ends, however it ends. Where the framework's own code
+reads an attribute the adapter must change for one call (TRL's ``beta``), `overriding` sets it for that block alone.
+Imports neither torch nor any framework.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from ._guard import UnsupportedFrameworkError
 from .versions import supported_range
@@ -115,3 +125,45 @@ def installed(framework: str) -> list[str]:
     """The wrapped attributes of `framework`, as 'Class.method' or 'module.function' (sorted)."""
     return sorted({f"{getattr(holder, '__name__', holder)}.{name}" for holder in _holders(framework)
                    for name, value in vars(holder).items() if is_ours(value)})
+
+
+T = TypeVar("T")
+
+
+class Scoped(Generic[T]):
+    """A value the adapter's wrappers hand each other: bound by an outer wrapper for the extent of the framework call
+    it wraps (`bound`), read by the wrappers the framework calls inside it (`get`: None outside every binding).
+    Per thread and asyncio task (a ContextVar); a binding always ends with the previous value restored."""
+
+    def __init__(self, name: str):
+        self._var: contextvars.ContextVar[T | None] = contextvars.ContextVar(f"kl_adapters.{name}", default=None)
+
+    def get(self) -> T | None:
+        return self._var.get()
+
+    @contextlib.contextmanager
+    def bound(self, value: T) -> Iterator[T]:
+        """`value` for the block, then the previous value again (also when the block raises)."""
+        token = self._var.set(value)
+        try:
+            yield value
+        finally:
+            self._var.reset(token)
+
+    def replace(self, value: T | None) -> None:
+        """Set `value` until the next `replace` in this thread, for a value no single call encloses (verl: the batch an
+        actor update trains on, tagged when it is split and read by the update's later ppo_loss calls)."""
+        self._var.set(value)
+
+
+@contextlib.contextmanager
+def overriding(holder: object, name: str, value: object) -> Iterator[None]:
+    """holder.name = value for the block, then the previous value again (also when the block raises): for an attribute
+    the framework's own code reads during one call, where no narrower point exists (TRL's trainer.beta, which its
+    _compute_loss reads to decide whether to add its KL term)."""
+    previous = getattr(holder, name)
+    setattr(holder, name, value)
+    try:
+        yield
+    finally:
+        setattr(holder, name, previous)

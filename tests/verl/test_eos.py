@@ -11,7 +11,7 @@ import torch
 
 from kl_adapters.adapters import verl as verl_adapter
 from kl_adapters.adapters.verl import eos as verl_eos
-from kl_adapters.adapters.verl.state import worker_state
+from kl_adapters.adapters.verl.state import EOS_REQUEST, EosRequest
 
 
 def verl_log_probs(logits, labels):
@@ -45,13 +45,9 @@ def test_the_wrapped_log_probs_are_verls():
 
     logits = torch.randn(12, 31, generator=torch.Generator().manual_seed(1), requires_grad=True)
     labels = torch.arange(12) % 31
-    state = worker_state()
-    state.eos_ids = (3,)
-    try:
+    with EOS_REQUEST.bound(EosRequest((3,))) as request:
         ours = transformer_impl.logprobs_from_logits(logits, labels)
-        record = state.eos_record
-    finally:
-        state.eos_ids = state.eos_record = None
+    record = request.record
     theirs = verl_log_probs(logits, labels)
     assert torch.equal(ours, theirs) and record is not None
     (g_ours,) = torch.autograd.grad(ours.sum(), logits)

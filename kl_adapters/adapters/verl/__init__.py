@@ -14,7 +14,7 @@ Modules (the sections of the former adapters/verl.py; names with a leading under
     reward     the reward path (apply_kl_penalty, the advantage functions)
     kl_budget  the KL budget: beta shipped with each update, its state in the checkpoint
     driver     the Ray job's runtime_env and validate_config
-    state      what the wrappers hand each other in a worker (`state.WorkerState`, `state.EOS_ROWS`), with lifetimes
+    state      what the wrappers hand each other in a worker (`patching.Scoped` values, `state.EOS_ROWS`), with extents
 This package wires them (`SITES`, `patch`, `unpatch`) through the adapters' shared `patching` module.
 
 What is patched (attribute -> wrapper, `SITES`; name-import sites already loaded are rebound too, see `patch`):

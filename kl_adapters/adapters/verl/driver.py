@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ... import activation
-from ...presets import get_preset
 from .flags import _environment_settings, check_config, flag_settings
 
 #: advantage estimators whose advantages are only shifted by a mean over rows that include the row (GRPO without
@@ -47,7 +46,7 @@ def _with_advantage_scaling(runtime_env: dict, config) -> dict:
     if actor is None or not actor.use_kl_loss:
         return runtime_env
     settings = flag_settings(actor.kl_loss_type, _environment_settings(config)[0])
-    if settings is None or not get_preset(settings.preset).uses_batch_statistics:
+    if settings is None or not settings.spec.uses_batch_statistics:
         return runtime_env
     algo = config.algorithm
     scaling = advantage_scaling(algo.adv_estimator, bool(algo.get("norm_adv_by_std_in_grpo", True)))

@@ -8,12 +8,11 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from ...presets import get_preset
 from .._guard import UnsupportedFrameworkError
 from ..end_of_sequence import eos_probabilities
 from ..end_of_sequence import eos_token_ids as read_eos_token_ids
 from .flags import _loss_settings
-from .state import EOS_ROWS, worker_state
+from .state import EOS_PENDING, EOS_REQUEST, EOS_ROWS, EosRequest
 
 #: model_output keys beside verl's "log_probs", in its layout: pi(EOS | y_<t) of the forward that made them (float) and
 #: whether y_t is an end-of-sequence token (bool); added by the FSDP engine's forward when a reduced preset is on
@@ -46,18 +45,18 @@ def _wants_eos(loss_fn) -> bool:
     if config is None or not hasattr(config, "kl_loss_type"):
         return False
     settings = _loss_settings(config)
-    return settings is not None and get_preset(settings.preset).uses_batch_statistics
+    return settings is not None and settings.spec.uses_batch_statistics
 
 
 def _record_eos(logprobs_from_logits: Callable) -> Callable:
-    """Wrap the FSDP engine's logprobs_from_logits: while `_eos_outputs` asks for it (`WorkerState.eos_ids`), also record
+    """Wrap the FSDP engine's logprobs_from_logits: while `_eos_outputs` asks for it (`state.EOS_REQUEST`), also record
     `end_of_sequence_probabilities` of the same logits. Its result is verl's, untouched."""
 
     def patched(logits, labels, *args, **kwargs):
         log_probs = logprobs_from_logits(logits, labels, *args, **kwargs)
-        state = worker_state()
-        if state.eos_ids:
-            state.eos_record = end_of_sequence_probabilities(logits, labels, log_probs, state.eos_ids)
+        request = EOS_REQUEST.get()
+        if request is not None:
+            request.record = end_of_sequence_probabilities(logits, labels, log_probs, request.ids)
         return log_probs
 
     return patched
@@ -72,17 +71,14 @@ def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
     FSDP engine is wrapped: other engines (Megatron, ...) add nothing, so no termination control variate there."""
 
     def patched(self, output, output_args, micro_batch, logits_processor_func, *args, **kwargs):
-        state = worker_state()
-        pending = state.eos_pending
+        pending = EOS_PENDING.get()
         ids = eos_token_ids(self.model_config) if pending is not None or _wants_eos(logits_processor_func) else ()
         if not ids:
             return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func, *args, **kwargs)
-        state.eos_ids, state.eos_record = ids, None
-        try:
+        with EOS_REQUEST.bound(EosRequest(ids)) as request:
             model_output = prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func,
                                                  *args, **kwargs)
-        finally:
-            record, state.eos_ids, state.eos_record = state.eos_record, None, None
+        record = request.record
         if record is None or model_output.get("log_probs") is None:  # fused kernels: verl made no logits here
             return model_output
         prob, is_eos = _like_log_probs(self, record, model_output["log_probs"], output_args)
@@ -136,12 +132,8 @@ def _keep_eos_rows(infer_batch: Callable) -> Callable:
 
         if not _wants_eos(self.loss_fn) or tu.get(data, key="no_lora_adapter", default=False):
             return infer_batch(self, data, *args, **kwargs)
-        state = worker_state()
-        state.eos_pending = {}
-        try:
+        with EOS_PENDING.bound({}) as pending:
             output = infer_batch(self, data, *args, **kwargs)
-        finally:
-            pending, state.eos_pending = state.eos_pending, None
         EOS_ROWS.replace(pending)
         return output
 

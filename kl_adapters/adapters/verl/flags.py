@@ -8,7 +8,6 @@ import os
 from ... import activation, native
 from ...activation import ENV_VAR, Settings, parse
 from ...budget import check_budget_preset
-from ...presets import get_preset
 from .._guard import refuse_untested_path
 
 #: verl estimator names starting with this select a preset: "kl_adapters:<KL_ADAPTERS value>"
@@ -62,7 +61,7 @@ def check_loss_settings(settings: Settings, loss_agg_mode: str) -> None:
     never receives the full-vocabulary logits) and refuses ``full`` when a flag would replace it (preset ``full``
     here, verl's name ``full`` under KL_ADAPTERS in `flag_settings`). ``seq-mean-token-mean`` is refused: it optimizes
     a length-normalized KL."""
-    if get_preset(settings.preset).needs_full_logits:
+    if settings.spec.needs_full_logits:
         raise ValueError(_FULL_PRESET)
     if loss_agg_mode == "seq-mean-token-mean":
         raise ValueError(_LENGTH_NORMALISED)

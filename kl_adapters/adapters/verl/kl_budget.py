@@ -17,7 +17,7 @@ from .._guard import UnsupportedFrameworkError
 from ..budget_wiring import kept_budget, restore, take_step
 from ..metrics import BETA, KL_TARGET, SEQ_KL
 from .flags import _loss_settings, _reward_settings
-from .state import worker_state
+from .state import LOSS_CALL
 
 #: non-tensor key of the actor's update batch (DataProto.meta_info in verl's v0 trainer, KVBatchMeta.extra_info in v1,
 #: both non-tensor data of the TensorDict every actor worker trains on): the budget's beta for this update
@@ -47,14 +47,15 @@ def _shipped_budget(config, data) -> tuple[float, float, float] | None:
 
 def _kl_coef(config) -> float:
     """The KL coefficient this ppo_loss call applies: the shipped budget beta, else kl_loss_coef."""
-    budget = worker_state().budget
+    call = LOSS_CALL.get()
+    budget = None if call is None else call.budget
     return budget[0] if budget is not None else float(config.kl_loss_coef)
 
 
 def _budget_scaled(term: Tensor, metrics: dict) -> Tensor:
     """ppo_loss multiplies the KL term by kl_loss_coef; under a budget the term is rescaled so that the product is the
     shipped beta times it, and kl_adapters/beta, kl_adapters/kl_target join the metrics."""
-    budget = worker_state().budget
+    budget = LOSS_CALL.get().budget
     if budget is None:
         return term
     from verl.utils.metric import AggregationType, Metric

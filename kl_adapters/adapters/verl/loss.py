@@ -1,6 +1,6 @@
 """verl adapter, loss path: the preset's per-token KL term in verl's ppo_loss (`_kl_per_token`), its batch statistics
 from the worker's whole update batch (`_micro_batch_statistics`) and its metrics. The wrappers hand each other their
-values through `state.WorkerState`."""
+values through `state.LOSS_CALL` (one ppo_loss call) and `state.UPDATE` (one actor update)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from ...presets import get_preset
 from ...reductions import EndOfSequence, KLStatistics, TaskAdvantages
 from ...surrogate import kl_statistics, kl_term
 from .._guard import UnsupportedFrameworkError
@@ -19,7 +18,7 @@ from .driver import ADVANTAGES_ENV
 from .eos import EOS_PROB, IS_EOS, _row_keys
 from .flags import PREFIX, _loss_settings, _native_preset
 from .kl_budget import _budget_scaled, _kl_coef, _shipped_budget
-from .state import EOS_ROWS, Captured, Reduction, worker_state
+from .state import EOS_ROWS, LOSS_CALL, UPDATE, Captured, LossCall, Reduction, Update
 
 #: TensorDict key added to the batch an actor worker trains on: each row's index in it, carried by verl into every
 #: shuffled mini-batch and micro-batch, so that ppo_loss can look up the rows' batch statistics
@@ -27,20 +26,21 @@ _ROW = "kl_adapters_row"
 
 
 def _capture_policy_loss(get_policy_loss_fn: Callable) -> Callable:
-    """Wrap the policy loss ppo_loss looks up so that it records the tensors of this call (keyword arguments, as
-    losses.ppo_loss passes them) when a preset applies to this actor config."""
+    """Wrap the policy loss ppo_loss looks up so that, inside a ppo_loss call (`state.LOSS_CALL`), it records the
+    tensors of this call (keyword arguments, as losses.ppo_loss passes them) when a preset applies to this actor
+    config."""
 
     def patched(name):
         policy_loss_fn = get_policy_loss_fn(name)
 
         def policy_loss(*args, **kwargs):
-            config = kwargs.get("config")
-            settings = None if config is None else _loss_settings(config)
-            state = worker_state()
-            state.captured = None if settings is None else Captured(
-                settings, kwargs["log_prob"], kwargs["old_log_prob"], kwargs["response_mask"].bool(),
-                kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type), state.rows,
-                kwargs["advantages"], _kl_coef(config), state.reduction)
+            config, call = kwargs.get("config"), LOSS_CALL.get()
+            settings = None if config is None or call is None else _loss_settings(config)
+            if call is not None:
+                call.captured = None if settings is None else Captured(
+                    settings, kwargs["log_prob"], kwargs["old_log_prob"], kwargs["response_mask"].bool(),
+                    kwargs.get("rollout_is_weights"), _native_preset(config.kl_loss_type), call.rows,
+                    kwargs["advantages"], _kl_coef(config), call.reduction)
             return policy_loss_fn(*args, **kwargs)
 
         return policy_loss
@@ -54,8 +54,8 @@ def _kl_term(original: Callable) -> Callable:
     distillation, is untouched."""
 
     def patched(logprob, ref_logprob, kl_penalty):  # verl's parameter names: ppo_loss passes them by keyword
-        state = worker_state()
-        captured, state.captured = state.captured, None
+        call = LOSS_CALL.get()
+        captured = None if call is None else call.captured
         if captured is None:
             if isinstance(kl_penalty, str) and kl_penalty.startswith(PREFIX):
                 raise UnsupportedFrameworkError(
@@ -65,8 +65,9 @@ def _kl_term(original: Callable) -> Callable:
         if logprob is not captured.log_prob:
             raise UnsupportedFrameworkError("verl's ppo_loss passed kl_penalty other log-probs than its policy loss; "
                                             "this verl code path is not the one kl-adapters is tested with")
-        term, state.metrics = _kl_per_token(captured, ref_logprob)
-        return _budget_scaled(term, state.metrics)
+        call.captured = None
+        term, call.metrics = _kl_per_token(captured, ref_logprob)
+        return _budget_scaled(term, call.metrics)
 
     return patched
 
@@ -101,7 +102,7 @@ def _kl_per_token(c: Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
     from verl.utils.metric import AggregationType, Metric
 
     mask = c.response_mask
-    kl = kl_term(c.log_prob, ref_log_prob, mask, preset=c.settings.preset, old_logp=c.old_log_prob,
+    kl = kl_term(c.log_prob, ref_log_prob, mask, preset=c.settings.spec, old_logp=c.old_log_prob,
                  is_clip=c.settings.is_clip, **_reduction_kwargs(c))
     coef, seq_kl, lp = kl.coefficients, kl.sequence_kl, kl.logp
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
@@ -110,9 +111,7 @@ def _kl_per_token(c: Captured, ref_log_prob: Tensor) -> tuple[Tensor, dict]:
         term = term * c.rollout_is_weights.detach().to(term.dtype)
     metrics = {SEQ_KL: seq_kl.mean().item(), IS_ESS: kl.is_ess.item()}
     if c.native is not None:
-        native = kl.coefficients_of(c.native, on_policy=True)
-        gap = (native - coef).abs().sum() / coef.abs().sum().clamp(min=1e-30)
-        metrics[GRAD_WEIGHT_GAP] = gap.item()
+        metrics[GRAD_WEIGHT_GAP] = kl.grad_weight_gap(c.native, on_policy=True).item()
     return term, {k: Metric(AggregationType.MEAN, v) for k, v in metrics.items()}
 
 
@@ -156,20 +155,17 @@ def _task(advantages: Tensor | None, kl_loss_coef: float) -> TaskAdvantages | No
 
 
 def _with_metrics(ppo_loss: Callable) -> Callable:
-    """Wrap ppo_loss: start each call with no captured tensors, the micro-batch's `_ROW` indices (if tagged) and its
-    `_reduction_inputs`, and add the kl_adapters/* metrics of its KL term."""
+    """Wrap ppo_loss: bind its `LossCall` (the micro-batch's `_ROW` indices if tagged, its `_reduction_inputs`, ...)
+    for the call, and add the kl_adapters/* metrics of its KL term."""
 
     def patched(config, model_output, data, *args, **kwargs):
-        state = worker_state()
-        state.captured = state.metrics = None
-        state.budget = _shipped_budget(config, data)
-        state.rows = data[_ROW] if _ROW in data.keys() else None
-        state.dp_group = args[0] if args else kwargs.get("dp_group")
-        state.reduction = _reduction_inputs(config, model_output, data)
-        loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
-        extra, state.metrics = state.metrics, None
-        if extra:
-            metrics.update(extra)
+        call = LossCall(budget=_shipped_budget(config, data), rows=data[_ROW] if _ROW in data.keys() else None,
+                        dp_group=args[0] if args else kwargs.get("dp_group"),
+                        reduction=_reduction_inputs(config, model_output, data))
+        with LOSS_CALL.bound(call):
+            loss, metrics = ppo_loss(config, model_output, data, *args, **kwargs)
+        if call.metrics:
+            metrics.update(call.metrics)
         return loss, metrics
 
     return patched
@@ -180,7 +176,7 @@ def _reduction_inputs(config, model_output, data) -> Reduction | None:
     model_output's EOS_PROB / IS_EOS go through verl's own no_padding_2_padding, as ppo_loss turns "log_probs" into
     log_prob; the horizon is verl's max_response_len (`_horizon`)."""
     settings = _loss_settings(config)
-    if settings is None or not get_preset(settings.preset).uses_batch_statistics:
+    if settings is None or not settings.spec.uses_batch_statistics:
         return None
     eos = None
     if EOS_PROB in model_output:
@@ -221,8 +217,7 @@ def _tag_rows(make_iterator: Callable) -> Callable:
             import torch
 
             tensordict[_ROW] = torch.arange(tensordict.batch_size[0])
-            state = worker_state()
-            state.batch, state.statistics = tensordict, None
+            UPDATE.replace(Update(tensordict))
         return make_iterator(tensordict, *args, **kwargs)
 
     return patched
@@ -248,9 +243,9 @@ def _micro_batch_statistics(c: Captured, with_eos: bool) -> KLStatistics:
     update uses its own batch's statistics (tests/verl/test_loss_path.py::test_task_group_and_eos_reach_the_core). On
     the reward path the statistics are computed on the whole rollout batch within each uid group, with the advantages
     of the KL-free scores (`_advantage_then_kl`)."""
-    state = worker_state()
-    if state.statistics is None:
-        batch = state.batch
+    update, call = UPDATE.get(), LOSS_CALL.get()
+    if update is None or update.statistics is None:
+        batch = None if update is None else update.batch
         if batch is None:
             raise UnsupportedFrameworkError("ppo_loss received kl_adapters row indices but no actor batch was tagged "
                                             "in this worker thread: this verl code path is not the tested one")
@@ -259,14 +254,14 @@ def _micro_batch_statistics(c: Captured, with_eos: bool) -> KLStatistics:
         width = padded["response_mask"].shape[1]
         eos = _stored_eos(batch, width) if with_eos else None
         padded.update(eos=eos, uid=batch.get("uid") if "uid" in batch.keys() else None)
-        padded, own = over_data_parallel_ranks(padded, state.dp_group)
+        padded, own = over_data_parallel_ranks(padded, call.dp_group)
         mask = padded["response_mask"].bool()
-        statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask, preset=c.settings.preset,
+        statistics = kl_statistics(padded["old_log_probs"], padded["ref_log_prob"], mask, preset=c.settings.spec,
                                    group=_group_ids(padded, mask.device), eos=padded["eos"],
                                    task=_task(padded.get("advantages"), c.kl_loss_coef))
-        state.statistics, state.batch = statistics[own].with_width(width), None
+        update.statistics, update.batch = statistics[own].with_width(width), None
     rows = c.rows
-    return state.statistics[rows.to(state.statistics.cv_coef.device)].with_width(
+    return update.statistics[rows.to(update.statistics.cv_coef.device)].with_width(
         c.response_mask.shape[1]).to(rows.device)
 
 

@@ -72,18 +72,19 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
         preset = data.meta_info.pop(_REWARD_PRESET, "reward")
         if beta is None:
             return compute_advantage(data, *args, **kwargs)
+        spec = get_preset(preset)  # the name apply_kl_penalty handed along (`_kl_in_reward`)
         penalized = data.batch["token_level_rewards"]
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
         data = compute_advantage(data, *args, **kwargs)
         batch = data.batch
         mask = batch["response_mask"].bool()
         group = None
-        if get_preset(preset).uses_batch_statistics and "uid" in data.non_tensor_batch:
+        if spec.uses_batch_statistics and "uid" in data.non_tensor_batch:
             group = _group_ids({"uid": data.non_tensor_batch["uid"]}, mask.device)
         task = None
-        if get_preset(preset).uses_batch_statistics and beta > 0:
+        if spec.uses_batch_statistics and beta > 0:
             task = TaskAdvantages(batch["advantages"], beta, _normalized_by(compute_advantage, data, args, kwargs))
-        coefficients = kl_coefficients(batch["old_log_probs"], batch["ref_log_prob"], mask, preset=preset, group=group,
+        coefficients = kl_coefficients(batch["old_log_probs"], batch["ref_log_prob"], mask, preset=spec, group=group,
                                        task=task)
         batch["advantages"] = batch["advantages"] - beta * coefficients.to(batch["advantages"].dtype)
         batch["token_level_rewards"] = penalized  # verl's k1-penalized rewards, for its reward metrics

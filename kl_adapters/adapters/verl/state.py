@@ -1,13 +1,24 @@
-"""What the verl adapter's wrappers hand each other inside a worker process: a typed state per thread
-(`WorkerState`) and the process-wide end-of-sequence rows (`EosRows`), with who writes, who reads and when each field is
-cleared. verl calls the wrapped functions in a fixed order (ppo_loss -> its policy loss -> kl_penalty; make_iterator
-before the ppo_loss calls of an actor update; prepare_model_outputs -> logprobs_from_logits inside one forward), so a
-value set by one wrapper is read by the next within the same call, on the same thread.
+"""What the verl adapter's wrappers hand each other inside a worker process: one `patching.Scoped` value per verl call
+that encloses the wrappers reading it, and the process-wide end-of-sequence rows (`EosRows`). verl calls the wrapped
+functions in a fixed order (ppo_loss -> its policy loss -> kl_penalty; make_iterator before the ppo_loss calls of an
+actor update; infer_batch -> prepare_model_outputs -> logprobs_from_logits inside one forward), so a value bound by an
+outer wrapper is read by the inner ones within the same call, on the same thread. Who binds each one (B), who reads
+it (R), and its extent:
+
+    LOSS_CALL    one ppo_loss call (`LossCall`): B `loss._with_metrics` around ppo_loss; R the policy-loss capture,
+                 the KL term (`loss._kl_term`), `kl_budget._kl_coef`, `kl_budget._budget_scaled`, the update's
+                 statistics (`loss._micro_batch_statistics`: its data-parallel group)
+    UPDATE       one actor update (`Update`): set by `loss._tag_rows` when make_iterator splits the worker's batch (no
+                 single call encloses the update's ppo_loss calls, so it holds until the next batch is tagged); R
+                 `loss._micro_batch_statistics`, which computes its statistics at the first micro-batch needing them
+    EOS_REQUEST  one forward of the FSDP engine (`EosRequest`): B `eos._eos_outputs` around prepare_model_outputs (the
+                 EOS ids, when pi(EOS) is wanted); R `eos._record_eos`, which leaves pi(EOS), is_eos there
+    EOS_PENDING  one compute_log_prob pass (row key -> pi(EOS), is_eos): B `eos._keep_eos_rows` around infer_batch;
+                 filled by `eos._eos_outputs`; then moved into `EOS_ROWS`
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +26,7 @@ from torch import Tensor
 
 from ...activation import Settings
 from ...reductions import EndOfSequence, KLStatistics
+from ..patching import Scoped
 
 
 @dataclass(frozen=True)
@@ -42,56 +54,45 @@ class Captured:
 
 
 @dataclass
-class WorkerState:
-    """One thread's hand-over between the verl adapter's wrappers (one actor update and one ppo_loss call at a time per
-    thread). Field by field, who writes it (W), who reads it (R) and when it is cleared (C):
+class LossCall:
+    """One ppo_loss call: what `_with_metrics` reads at its start, and what the wrappers inside it leave for each other.
 
-    One ppo_loss call (loss.py):
-        budget     W `_with_metrics` at the call's start (`_shipped_budget`: beta, kl_loss_coef, target, or None);
-                   R `_kl_coef` (the policy-loss capture) and `_budget_scaled` (the KL term); C overwritten next call
-        rows       W `_with_metrics` at the call's start (the micro-batch's ROW indices, or None); R the capture;
-                   C overwritten next call
-        reduction  W `_with_metrics` at the call's start (`_reduction_inputs`); R the capture; C overwritten next call
-        dp_group   W `_with_metrics` at the call's start (ppo_loss's dp_group argument, or None); R
-                   `_micro_batch_statistics` (the statistics over every data-parallel rank's rows); C overwritten next call
-        captured   W the policy-loss capture (`_capture_policy_loss`), inside ppo_loss; R and C `_kl_term`, the
-                   kl_penalty call that follows; C also by `_with_metrics` at the call's start
-        metrics    W `_kl_term`; R and C `_with_metrics` when ppo_loss returns (added to verl's metrics)
-    One actor update (loss.py):
-        batch      W `_tag_rows` (make_iterator on the worker's batch); R and C `_micro_batch_statistics`, at the first
-                   micro-batch that needs its statistics
-        statistics C `_tag_rows`; W `_micro_batch_statistics` (the whole batch's KLStatistics); R the update's later
-                   micro-batches; replaced when a batch is tagged again
-    One forward of the FSDP engine (eos.py):
-        eos_ids    W `_eos_outputs` around prepare_model_outputs (the EOS ids, when pi(EOS) is wanted); R `_record_eos`;
-                   C `_eos_outputs` when prepare_model_outputs returns (finally)
-        eos_record W `_record_eos` (pi(EOS), is_eos of logprobs_from_logits' logits); R and C `_eos_outputs`
-        eos_pending W `_keep_eos_rows` around infer_batch (an empty dict: keep rows, do not add model_output keys);
-                   filled by `_eos_outputs`; R and C `_keep_eos_rows` when infer_batch returns (finally), into `EOS_ROWS`
+    budget     `_shipped_budget`: (beta, kl_loss_coef, target) of a KL budget, or None
+    rows       the micro-batch's ROW indices, or None (not tagged)
+    dp_group   ppo_loss's dp_group argument, or None (the statistics over every data-parallel rank's rows)
+    reduction  `_reduction_inputs`
+    captured   the policy-loss capture's tensors, taken by the KL term that follows it
+    metrics    the KL term's kl_adapters/* metrics, added to verl's when ppo_loss returns
     """
 
-    budget: tuple[float, float, float] | None = None
-    rows: Tensor | None = None
-    reduction: Reduction | None = None
-    dp_group: Any = None  # torch.distributed ProcessGroup of verl's data-parallel ranks
+    budget: tuple[float, float, float] | None
+    rows: Tensor | None
+    dp_group: Any  # torch.distributed ProcessGroup of verl's data-parallel ranks
+    reduction: Reduction | None
     captured: Captured | None = None
     metrics: dict | None = None
-    batch: Any = None
+
+
+@dataclass
+class Update:
+    """One actor update: the worker's tagged batch until its statistics are computed, then their KLStatistics."""
+
+    batch: Any
     statistics: KLStatistics | None = None
-    eos_ids: tuple[int, ...] | None = None
-    eos_record: tuple[Tensor, Tensor] | None = None
-    eos_pending: dict[bytes, tuple[Tensor, Tensor]] | None = None
 
 
-_threads = threading.local()
+@dataclass
+class EosRequest:
+    """One forward's request for pi(EOS | y_<t): the EOS ids, and the (pi(EOS), is_eos) `_record_eos` read."""
+
+    ids: tuple[int, ...]
+    record: tuple[Tensor, Tensor] | None = None
 
 
-def worker_state() -> WorkerState:
-    """This thread's `WorkerState` (made at its first use)."""
-    state = getattr(_threads, "state", None)
-    if state is None:
-        state = _threads.state = WorkerState()
-    return state
+LOSS_CALL: Scoped[LossCall] = Scoped("verl.loss_call")
+UPDATE: Scoped[Update] = Scoped("verl.update")
+EOS_REQUEST: Scoped[EosRequest] = Scoped("verl.eos_request")
+EOS_PENDING: Scoped[dict[bytes, tuple[Tensor, Tensor]]] = Scoped("verl.eos_pending")
 
 
 @dataclass

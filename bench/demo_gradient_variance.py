@@ -24,7 +24,7 @@ initial policy (= its pi_ref), stopped after STEP optimizer steps (the same firs
 
 Configurations: the demo's (trl_runner.SPECS) and `sequence-kl-fit`: `sequence` with the adapter passing neither the
 task advantages nor pi(EOS) (its statistics fitted to the KL term alone: the adapter before issue 20, emulated by
-filtering `adapters.trl.statistics_inputs`).
+filtering `adapters.trl.loss.statistics_inputs`).
 Usage: .venvs/trl/bin/python bench/demo_gradient_variance.py [--states 40 150 400] [--configs ...]
        .venvs/trl/bin/python bench/demo_gradient_variance.py --group 256 --batches 800 [--blocks 20] [--seed 0]
        .venvs/trl/bin/python bench/demo_gradient_variance.py --group 256 --trained sequence:27:64 [--trained ...]
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from timing import write_result_and_table  # noqa: E402
 
-from kl_adapters.adapters import trl as trl_adapter  # noqa: E402
+from kl_adapters.adapters.trl import loss as trl_loss  # noqa: E402
 from kl_adapters.demo import gradient_check, harness, run, trl_runner  # noqa: E402
 from kl_adapters.demo.problem import (ExactEvaluator, ToyProblem, completion_logprobs,  # noqa: E402
                                       enumerated_input_ids, sequence_logprobs)
@@ -61,12 +61,12 @@ class KLOnlyFit:
         self.loss = loss
 
     def __call__(self, model, batch):
-        real = trl_adapter.statistics_inputs
-        trl_adapter.statistics_inputs = lambda *a: {k: v for k, v in real(*a).items() if k not in ("task", "eos")}
+        real = trl_loss.statistics_inputs
+        trl_loss.statistics_inputs = lambda *a: {k: v for k, v in real(*a).items() if k not in ("task", "eos")}
         try:
             return self.loss(model, batch)
         finally:
-            trl_adapter.statistics_inputs = real
+            trl_loss.statistics_inputs = real
 
 
 def loss_factories(problem: ToyProblem, configs: list[str], seed: int = 0):

@@ -3,8 +3,8 @@ without it and against TRL's native KL term.
 
 Three trainers on the same tiny random Llama, CPU (or CUDA with --device cuda), beta > 0:
   native          TRL's own KL term (kl_preset off)
-  sequence-no-eos kl_preset="sequence" with the EOS read switched off (`adapters.trl._eos_weight` returns None, as for
-                  a head that is not hidden @ W.T): task advantages and groups only
+  sequence-no-eos kl_preset="sequence" with the EOS read switched off (`adapters.trl.eos._eos_weight` returns None, as
+                  for a head that is not hidden @ W.T): task advantages and groups only
   sequence        kl_preset="sequence" as shipped: the backbone hook computes the EOS gap of every forward it records
 Measured (timing.alternating: one call of each per round, ABBA order): compute_loss + backward on one fixed prepared
 batch, and training_step on fresh batches (generation, reward, reference pass, loss, backward; no optimizer step, so
@@ -26,16 +26,16 @@ import torch  # noqa: E402
 from timing import alternating, compare, write_result  # noqa: E402
 from trl_step_overhead import build, loss_backward_fn, train_step_fn  # noqa: E402
 
-from kl_adapters.adapters import trl as trl_adapter  # noqa: E402
+from kl_adapters.adapters.trl import eos as trl_eos  # noqa: E402
 from kl_adapters.tiny_models import save_tiny_model  # noqa: E402
 
 NATIVE, NO_EOS, EOS = "native", "sequence-no-eos", "sequence"
-REAL_EOS_WEIGHT = trl_adapter._eos_weight
+REAL_EOS_WEIGHT = trl_eos._eos_weight
 
 
 def switch_eos(config: str, _round: int) -> None:
     """The EOS read on for `sequence`, off for `sequence-no-eos` (untimed, before each call)."""
-    trl_adapter._eos_weight = (lambda trainer, lm: None) if config == NO_EOS else REAL_EOS_WEIGHT
+    trl_eos._eos_weight = (lambda trainer, lm: None) if config == NO_EOS else REAL_EOS_WEIGHT
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
-"""One module per framework (trl.py, the verl/ package, openrlhf.py); each holds all of kl-adapters' knowledge of its
-framework. What they share lives beside them: `patching` (signature-checked wrapping and its undoing),
-`end_of_sequence` (EOS ids, pi(EOS) from logits), `budget_wiring` (the KL budget in a trainer) and `metrics` (the
-kl_adapters/* metric names).
+"""One package per framework (trl/, verl/, openrlhf/); each holds all of kl-adapters' knowledge of its framework. What
+they share lives beside them: `patching` (signature-checked wrapping and its undoing, and `Scoped`, the one way their
+wrappers hand each other values), `end_of_sequence` (EOS ids, pi(EOS) from logits), `budget_wiring` (the KL budget in
+a trainer) and `metrics` (the kl_adapters/* metric names; the grad-weight-gap formula is the core's,
+`surrogate.weight_gap`).
 
 Contract with `kl_adapters.activation`: an adapter module exposes `patch(trigger_module_name)` (idempotent, version-
 and code-path-guarded; patched functions consult `activation.active()` at call time and fall through to the original

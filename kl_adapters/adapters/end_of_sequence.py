@@ -3,7 +3,7 @@ framework's own forward already made (the reduced presets' termination control v
 
 Each adapter knows where its framework keeps the ids (TRL's trainer, verl's HFModelConfig, OpenRLHF's Actor) and
 hands those objects to `eos_token_ids`; verl and OpenRLHF hand the logits and log-probs of their log-prob function to
-`eos_probabilities` (TRL reads pi(EOS) from the hidden state instead: adapters/trl.py, `_eos_gap`). Any fixed set of ids
+`eos_probabilities` (TRL reads pi(EOS) from the hidden state instead: adapters/trl/eos.py, `_eos_gap`). Any fixed set of ids
 keeps the control variate exact (it is zero-mean for the event "y_t is one of these ids"); the ids the framework stops
 at make it effective.
 """

@@ -77,11 +77,11 @@ def test_closed_form_optimum(problem):
 
 @pytest.mark.parametrize("config", ["sequence", "trl-default"])
 def test_trl_runner_trains_the_real_trainer(problem, config, monkeypatch):
-    from kl_adapters.adapters import trl as adapter
+    from kl_adapters.adapters.trl import loss
 
     calls = []
-    real = adapter.kl_term
-    monkeypatch.setattr(adapter, "kl_term", lambda *a, **k: calls.append(k["preset"]) or real(*a, **k))
+    real = loss.kl_term
+    monkeypatch.setattr(loss, "kl_term", lambda *a, **k: calls.append(k["preset"].name) or real(*a, **k))
     history, _ = trl_runner.run_trl(problem, config, seed=0, settings=harness.TrainSettings(steps=3, group=8))
     assert len(history) == 4 and all(math.isfinite(h["kl_opt"]) and h["mass"] == pytest.approx(1) for h in history)
     assert history[-1]["kl_ref"] > 0  # the policy moved

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kl_adapters.adapters import trl as adapter
+from kl_adapters.adapters.trl import loss as trl_loss
 from kl_adapters.cli import main
 from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
 
@@ -38,7 +39,7 @@ def test_grpo_kl_loss_and_adapter_agree(bias_correction, preset):
     (path,) = report.paths
     assert path.path == "loss" and path.native.preset == preset and report.verdict == "biased"
     trainer = SimpleNamespace(args=SimpleNamespace(use_bias_correction_kl=bias_correction == "true"))
-    assert adapter._native_preset(trainer) == preset
+    assert trl_loss._native_preset(trainer) == preset
 
 
 @pytest.mark.parametrize("argv, trainer, code, severity", [
@@ -111,7 +112,7 @@ def test_fix_makes_grpo_unbiased():
 
 def test_rloo_on_policy_is_unbiased_and_off_policy_refused_by_the_adapter():
     """RLOO's k1-in-reward is exact on-policy (reward-sum); the settings the doctor calls biased are those
-    RLOOTrainer refuses under KL_ADAPTERS (adapters/trl.py::_check_rloo)."""
+    RLOOTrainer refuses under KL_ADAPTERS (adapters/trl/trainer_init.py::_check_rloo)."""
     report = doctor("--beta", "0.05", trainer="rloo")
     assert [p.native.preset for p in report.paths] == ["reward-sum"] and report.verdict == "unbiased"
     for argv in (["--normalize_advantages", "true"], ["--num_iterations", "2"]):

@@ -11,6 +11,7 @@ import torch
 from conftest import grpo_args, logged, make_trainer
 
 from kl_adapters.adapters import trl as adapter
+from kl_adapters.adapters.trl import loss as trl_loss
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
@@ -35,7 +36,7 @@ def test_train_with_preset_logs_native_and_new_metrics(model_dir, dataset, prese
 def test_num_iterations_2_trains_off_policy(model_dir, dataset, monkeypatch):
     seen = []
     real = adapter.behaviour_logps
-    monkeypatch.setattr(adapter, "behaviour_logps", lambda inputs, logp: seen.append(real(inputs, logp)) or seen[-1])
+    monkeypatch.setattr(trl_loss, "behaviour_logps", lambda inputs, logp: seen.append(real(inputs, logp)) or seen[-1])
     trainer = train(model_dir, dataset, num_iterations=2, max_steps=4)
     assert any(b is not None for b in seen)  # later minibatches carry the rollout-time log-probs
     ess = logged(trainer, "kl_adapters/is_ess")

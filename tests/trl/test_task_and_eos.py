@@ -25,6 +25,8 @@ from test_grpo_gradients import assert_close, trainer_grad
 
 from kl_adapters import full_kl_surrogate, kl_surrogate
 from kl_adapters.adapters import trl as adapter
+from kl_adapters.adapters.trl import loss as trl_loss
+from kl_adapters.adapters.trl import rollout as trl_rollout
 from kl_adapters.tiny_models import char_tokenizer, save_tiny_model
 
 #: extra end-of-sequence token in the model's generation config: trl >= 1.14.2 stops at it too
@@ -69,12 +71,12 @@ def captured(two_eos_model_dir, dataset):
     perturb(trainer.model, seed=21)
     batch = one_batch(trainer)
     seen = []
-    real = adapter.end_of_sequence
-    adapter.end_of_sequence = lambda *a: seen.append(real(*a)) or seen[-1]
+    real = trl_loss.end_of_sequence
+    trl_loss.end_of_sequence = lambda *a: seen.append(real(*a)) or seen[-1]
     try:
         trainer.compute_loss(trainer.model, dict(batch))
     finally:
-        adapter.end_of_sequence = real
+        trl_loss.end_of_sequence = real
     return trainer, batch, seen[0]
 
 
@@ -95,7 +97,7 @@ def test_rollout_eos_probabilities_are_the_sampling_policys(two_eos_model_dir, d
     perturb(trainer.model, seed=22)
     seen = []
     real = adapter.rollout_statistics
-    monkeypatch.setattr(adapter, "rollout_statistics",
+    monkeypatch.setattr(trl_rollout, "rollout_statistics",
                         lambda tr, batch, preset, eos: seen.append((batch, eos)) or real(tr, batch, preset, eos))
     one_batch(trainer)
     batch, eos = seen[0]

@@ -22,7 +22,7 @@ RemoteExperienceMaker.make_experience leaves on the loss path (plus rewards and 
 advantages (dr_grpo: r_i - mean_j r_j on every token, the harness's) and, under a reduced preset, the adapter's rollout
 statistics, fitted with those advantages and with pi(EOS | y_<t) of the sampling policy, which the harness's forward
 supplies (harness.batch_logps_and_eos) the way OpenRLHF's rollout forward carries it to the experience maker (on
-action_log_probs, openrlhf_statistics.LogProbsWithEos); the maker's KL controller holds the previous step's kl_ctl
+action_log_probs, openrlhf/eos_payload.LogProbsWithEos); the maker's KL controller holds the previous step's kl_ctl
 (OpenRLHF's holds the coefficient set before the rollout; the harness's per-step kl_ctl below depends on the step's own
 token count). OpenRLHF's own KL configurations get the harness's advantages r_i - mean_j r_j directly (the same). Then
 **openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step** on that one Experience (on-policy: PPO's ratio is 1,
@@ -235,7 +235,7 @@ class OpenRLHFLoss(OpenRLHFStep):
         from openrlhf.trainer.ppo_utils.experience import Experience
         from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
-        from kl_adapters.adapters.openrlhf_statistics import EosPayload, with_eos
+        from kl_adapters.adapters.openrlhf.eos_payload import EosPayload, with_eos
         from kl_adapters.demo.harness import batch_logps_and_eos
 
         mask = batch.completion_mask

@@ -23,15 +23,16 @@ from openrlhf_overhead import ROOT, parser, prepare, training_step_fn  # (puts t
 from timing import alternating, compare, write_result
 
 import kl_adapters
-from kl_adapters.adapters import openrlhf_statistics
+from kl_adapters.adapters.openrlhf import eos as openrlhf_eos
+from kl_adapters.adapters.openrlhf.eos_payload import split_eos
 
 NATIVE, NO_EOS, EOS = "native", "sequence-no-eos", "sequence"
-EOS_IDS = openrlhf_statistics.eos_token_ids
+EOS_IDS = openrlhf_eos.eos_token_ids
 
 
 def switch(config: str, _round: int = 0) -> None:
     """kl-adapters off for `native`; on, with the EOS ids read (`sequence`) or none (`sequence-no-eos`)."""
-    openrlhf_statistics.eos_token_ids = (lambda model: []) if config == NO_EOS else EOS_IDS
+    openrlhf_eos.eos_token_ids = (lambda model: []) if config == NO_EOS else EOS_IDS
     if config == NATIVE:
         kl_adapters.disable()
     elif kl_adapters.activation.active() is None:
@@ -59,7 +60,7 @@ def main() -> None:
            "training_step": training_step_fn(args, actor, tensors, old, base, opts.device)}
     for config in (NATIVE, NO_EOS, EOS):
         switch(config)
-        carried = openrlhf_statistics.split_eos(fns["rollout_forward"]())[1] is not None
+        carried = split_eos(fns["rollout_forward"]())[1] is not None
         assert carried == (config == EOS), "the payload must come with the EOS read only"
     times = {name: alternating({c: fn for c in (NATIVE, NO_EOS, EOS)}, repeats=opts.repeats, warmup=5, sync=sync,
                                before=switch) for name, fn in fns.items()}

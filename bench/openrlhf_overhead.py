@@ -32,7 +32,8 @@ from timing import alternating, compare, write_result  # noqa: E402
 
 import kl_adapters  # noqa: E402
 from kl_adapters.adapters import openrlhf as adapter  # noqa: E402
-from kl_adapters.adapters.openrlhf_statistics import attach, rollout_statistics  # noqa: E402
+from kl_adapters.adapters.openrlhf.state import LOSS_STEP, LossStep  # noqa: E402
+from kl_adapters.adapters.openrlhf.statistics import attach, rollout_statistics  # noqa: E402
 
 BETA = 0.01
 
@@ -96,12 +97,8 @@ def kl_term_fn(tensors, old, base):
         (aggregate_loss(kl, mask, **info) * BETA).backward()
 
     def patched():  # the context the patched training_step sets around OpenRLHF's own
-        token = adapter._loss_step.set(adapter._LossStep(kl_adapters.activation.active(), exp, info, stats,
-                                                         horizon=mask.shape[1]))
-        try:
+        with LOSS_STEP.bound(LossStep(kl_adapters.activation.active(), exp, info, stats, horizon=mask.shape[1])):
             run()
-        finally:
-            adapter._loss_step.reset(token)
 
     return run, patched
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .. import activation, native
 from ..activation import ENV_VAR
-from ..adapters.openrlhf_flags import renamed_hint
+from ..adapters.openrlhf.renamed import renamed_hint
 from .report import (OFF, ON, DoctorError, Fix, KLPath, Refused, Report, adapter_native, installed_version,
                      note_budget, per_token_target, refusals)
 from .shell import launch_arguments
@@ -75,7 +75,7 @@ def read(argv: list[str], env: dict[str, str] | None = None, strict: bool = True
 
 def _strip_flag(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     """(--algo.kl.preset, --algo.kl.seq_target, the other arguments): the openrlhf_cli wrapper's flags."""
-    from ..adapters.openrlhf_cli import TARGET_FLAG
+    from ..adapters.openrlhf.flags import TARGET_FLAG
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument(FLAG, dest="preset")
@@ -86,7 +86,7 @@ def _strip_flag(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 
 def _with_seq_target(settings, seq_target: str | None):
     """The settings with --algo.kl.seq_target as their KL budget, as the openrlhf_cli wrapper makes them."""
-    from ..adapters.openrlhf_cli import TARGET_FLAG, with_target
+    from ..adapters.openrlhf.cli import TARGET_FLAG, with_target
 
     if seq_target is None:
         return settings

@@ -41,7 +41,7 @@ def train_rows(args, actor_dir: str, batch: dict, statistics, rows: list[int], m
     from openrlhf_cpu_shim import load_actor
     from openrlhf_harness import build_trainer, experience_fields
 
-    from kl_adapters.adapters.openrlhf_statistics import attach
+    from kl_adapters.adapters.openrlhf.statistics import attach
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     trainer = build_trainer(args, load_actor(actor_dir), micro_batch=micro, gas=gas)

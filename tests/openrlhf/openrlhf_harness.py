@@ -186,7 +186,7 @@ def softmax_eos(actor, sequences, attention_mask, action_mask) -> Eos:
 
 
 def mean_length(mask) -> float:
-    """N_tok / N_seq of a batch: the length the loss path's task term is scaled with (adapters/openrlhf._loss_task)."""
+    """N_tok / N_seq of a batch: the length the loss path's task term is scaled with (adapters/openrlhf/statistics._loss_task)."""
     lengths = mask.sum(-1).float()
     return float(lengths.sum() / (lengths > 0).sum())
 
@@ -197,7 +197,8 @@ def batch_statistics(batch: dict, n_samples_per_prompt: int = GROUP):
     beta = BETA x its mean length) and its behaviour policy's EOS payload."""
     from types import SimpleNamespace
 
-    from kl_adapters.adapters.openrlhf_statistics import EosPayload, RolloutTask, rollout_statistics
+    from kl_adapters.adapters.openrlhf.eos_payload import EosPayload
+    from kl_adapters.adapters.openrlhf.statistics import RolloutTask, rollout_statistics
 
     rollout = SimpleNamespace(action_mask=batch["action_mask"], index=list(range(len(RESPONSES))))
     task = RolloutTask([batch["advantages"]], BETA * mean_length(batch["action_mask"]), True)
@@ -213,7 +214,7 @@ def ppo_train_on(args, actor_dir: str, batch: dict, *, mesh=None, device: str = 
     import torch
     from openrlhf_cpu_shim import load_actor
 
-    from kl_adapters.adapters.openrlhf_statistics import attach
+    from kl_adapters.adapters.openrlhf.statistics import attach
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     trainer = build_trainer(args, load_actor(actor_dir).to(device), micro_batch=MICRO, gas=GAS, device=device)

@@ -15,8 +15,8 @@ import pytest
 
 from kl_adapters import activation
 from kl_adapters.activation import SettingError
-from kl_adapters.adapters.openrlhf_cli import FLAG
-from kl_adapters.adapters.openrlhf_flags import RENAMED
+from kl_adapters.adapters.openrlhf.flags import FLAG
+from kl_adapters.adapters.openrlhf.renamed import RENAMED
 from openrlhf_harness import base_argv, cli_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,7 +88,7 @@ class _Stop(Exception):
 
 
 def test_renamed_flags_are_new_flags_of_the_installed_openrlhf(monkeypatch):
-    """Every new name in openrlhf_flags.RENAMED is a flag of the installed train_ppo_ray, and no old one is."""
+    """Every new name in renamed.RENAMED is a flag of the installed train_ppo_ray, and no old one is."""
     parsers = []
 
     def capture(self, *args, **kwargs):

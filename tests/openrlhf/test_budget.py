@@ -18,6 +18,7 @@ import torch
 import kl_adapters
 from kl_adapters import activation
 from kl_adapters.adapters import openrlhf as adapter
+from kl_adapters.adapters.openrlhf import budget as openrlhf_budget
 from kl_adapters.budget import KLBudget
 from openrlhf_harness import base_argv, cli_args
 
@@ -149,7 +150,7 @@ def test_checkpoint_client_states_carry_the_budget(actor_dir, tmp_path, ray_get_
     states = resumed.init_checkpoint_states()
     assert states["global_step"] == 2
     assert resumed.kl_ctl.value == first.kl_ctl.value != 0.1
-    assert adapter._budget(resumed).state_dict() == adapter._budget(first).state_dict()
+    assert openrlhf_budget._budget(resumed).state_dict() == openrlhf_budget._budget(first).state_dict()
 
 
 @pytest.mark.compat
@@ -161,7 +162,7 @@ def test_without_a_target_the_controller_is_openrlhfs(actor_dir, tmp_path, ray_g
     trainer = controller(args, group, tmp_path)
     statuses = [trainer.train_step(None, step)[0] for step in range(2)]
     assert [kw["kl_ctl"] for name, kw in group.calls if name == "fit"] == [0.1, 0.1] and trainer.kl_ctl.value == 0.1
-    assert not any("kl_adapters/beta" in s for s in statuses) and adapter._budget(trainer) is None
+    assert not any("kl_adapters/beta" in s for s in statuses) and openrlhf_budget._budget(trainer) is None
     trainer.save_logs_and_checkpoints(1, statuses[-1], {"global_step": 1})
     assert adapter.BUDGET_STATE not in group.saved
 

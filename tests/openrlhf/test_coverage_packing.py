@@ -69,7 +69,7 @@ def test_packed_rollout_forward_carries_the_unpacked_eos_probabilities(actor_dir
     log-probs and the pi(EOS | y_<t) they carry to the experience maker equal the unpacked forward's."""
     import openrlhf.trainer.ray.ppo_actor  # noqa: F401  (a PolicyModelActor's process: kl-adapters patches the Actor)
 
-    from kl_adapters.adapters.openrlhf_statistics import split_eos
+    from kl_adapters.adapters.openrlhf.eos_payload import split_eos
 
     sequences, attention_mask, action_mask = openrlhf_cpu_shim.random_batch(4, 4, [5, 3, 5, 4], seed=0)
     kl_adapters.enable("sequence")

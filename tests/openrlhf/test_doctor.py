@@ -132,7 +132,7 @@ def test_k3_in_the_reward_is_k3_reward():
 def test_adapter_refusals_agree():
     """The configurations check_args refuses are exactly those reported as 'refused'."""
     from kl_adapters.activation import parse as parse_settings
-    from kl_adapters.adapters.openrlhf_cli import with_target
+    from kl_adapters.adapters.openrlhf.cli import with_target
     from kl_adapters.doctor.openrlhf import _strip_flag
 
     for argv, _, _ in HAZARDS:

@@ -1,5 +1,5 @@
-"""pi(EOS | y_<t) from the policy's own forward (adapters/openrlhf.py: Actor.forward and its log_probs_from_logits),
-and the tensor that carries it from the rollout forward to make_experience (openrlhf_statistics.LogProbsWithEos)."""
+"""pi(EOS | y_<t) from the policy's own forward (adapters/openrlhf/eos.py: Actor.forward and its log_probs_from_logits),
+and the tensor that carries it from the rollout forward to make_experience (eos_payload.LogProbsWithEos)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kl_adapters
-from kl_adapters.adapters.openrlhf_statistics import EosPayload, LogProbsWithEos, split_eos, with_eos
+from kl_adapters.adapters.openrlhf.eos_payload import EosPayload, LogProbsWithEos, split_eos, with_eos
 from openrlhf_cpu_shim import EOS, load_actor, random_batch
 from openrlhf_harness import softmax_eos
 

@@ -18,7 +18,7 @@ import kl_adapters
 from kl_adapters import activation, kl_coefficients, kl_term
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
-from kl_adapters.adapters.openrlhf_statistics import KEYS
+from kl_adapters.adapters.openrlhf.statistics import KEYS
 from kl_adapters.presets import get_preset
 from openrlhf_harness import (
     BETA,

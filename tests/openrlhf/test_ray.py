@@ -13,7 +13,7 @@ import torch
 
 import kl_adapters
 from kl_adapters.adapters import openrlhf as adapter
-from kl_adapters.adapters.openrlhf_statistics import LogProbsWithEos, split_eos
+from kl_adapters.adapters.openrlhf.eos_payload import LogProbsWithEos, split_eos
 from openrlhf_cpu_shim import EOS, CPUStrategy, load_actor, random_batch
 from openrlhf_harness import base_argv, cli_args, probe, softmax_eos, use_cpu_device
 

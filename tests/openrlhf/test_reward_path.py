@@ -13,7 +13,7 @@ import torch
 import kl_adapters
 from kl_adapters import EndOfSequence, TaskAdvantages, kl_coefficients, kl_statistics, kl_surrogate, sequence_kl
 from kl_adapters.adapters import openrlhf as adapter
-from kl_adapters.adapters.openrlhf_statistics import KEYS
+from kl_adapters.adapters.openrlhf.statistics import KEYS
 from openrlhf_cpu_shim import EOS, VOCAB, load_actor
 from openrlhf_harness import (BETA, GROUP, MAX_NEW_TOKENS, RESPONSES, align_row, base_argv, build_trainer, cli_args,
                               mean_length, softmax_eos)

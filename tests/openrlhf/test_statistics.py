@@ -1,4 +1,4 @@
-"""The rollout-wide statistics' plumbing (kl_adapters/adapters/openrlhf_statistics.py): reward increments, and the
+"""The rollout-wide statistics' plumbing (kl_adapters/adapters/openrlhf/statistics.py): reward increments, and the
 statistics riding through OpenRLHF's own replay buffer (split, shuffled, re-batched) with their rows."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kl_adapters.adapters.openrlhf_statistics import KEYS, attach, reward_increments, take
+from kl_adapters.adapters.openrlhf.statistics import KEYS, attach, reward_increments, take
 from openrlhf_harness import RESPONSES, batch_statistics, experience_fields, rows_of
 
 

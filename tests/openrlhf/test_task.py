@@ -1,5 +1,6 @@
-"""The task term the adapter fits the reduced presets' statistics with (adapters/openrlhf.py: `_normalized`,
-`_reward_task`, `_loss_task`), checked against OpenRLHF's own compute_advantages_and_returns, estimator by estimator."""
+"""The task term the adapter fits the reduced presets' statistics with (adapters/openrlhf/: statistics.py `_normalized`,
+`_loss_task`, reward.py `_reward_task`), checked against OpenRLHF's own compute_advantages_and_returns, estimator by
+estimator."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kl_adapters.adapters import openrlhf as adapter
+from kl_adapters.adapters.openrlhf import reward as openrlhf_reward
+from kl_adapters.adapters.openrlhf import statistics as openrlhf_statistics
 from openrlhf_harness import BETA, GROUP, HAS_LOSS_AGG_MODE, base_argv, cli_args, mean_length
 
 ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline", "reinforce", "gae"]
@@ -57,7 +59,7 @@ def test_normalized_is_openrlhfs_scale_invariance(args, estimator, no_std_norm):
     mine.algo.advantage.estimator, mine.algo.advantage.no_std_norm = estimator, no_std_norm
     invariant = torch.allclose(openrlhf_advantages(args, estimator, no_std_norm, 2.0),
                                openrlhf_advantages(args, estimator, no_std_norm), rtol=1e-5, atol=1e-6)
-    assert adapter._normalized(mine) == invariant
+    assert openrlhf_statistics._normalized(mine) == invariant
 
 
 def standardized(x: torch.Tensor, mask: torch.Tensor, normalized: bool) -> torch.Tensor:
@@ -81,7 +83,7 @@ def test_reward_task_is_the_score_part_of_openrlhfs_advantages(args, estimator):
     mine.algo.advantage.estimator = estimator
     exps = experiences()
     mask = torch.cat([e.action_mask for e in exps])
-    task = torch.cat([t if t.dim() == 2 else t[:, None].expand(-1, WIDTH) for t in adapter._reward_task(exps, mine)])
+    task = torch.cat([t if t.dim() == 2 else t[:, None].expand(-1, WIDTH) for t in openrlhf_reward._reward_task(exps, mine)])
     normalized = estimator == "group_norm"
     expected = openrlhf_advantages(args, estimator, no_std_norm=True)
     torch.testing.assert_close(standardized(task, mask, normalized), standardized(expected, mask, normalized),
@@ -100,7 +102,7 @@ def test_loss_task_scale(args, agg):
     first, second = experiences(0), experiences(1)
     for e in first + second:
         e.advantages = torch.randn(e.action_mask.shape) * e.action_mask
-    tasks = [adapter._loss_task(maker, first), adapter._loss_task(maker, second)]
+    tasks = [openrlhf_statistics._loss_task(maker, first), openrlhf_statistics._loss_task(maker, second)]
     if agg == "token-mean":
         assert tasks[0] is None
         length = mean_length(torch.cat([e.action_mask for e in first]))

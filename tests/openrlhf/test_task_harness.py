@@ -85,7 +85,7 @@ def test_beta_means_trls(sampled, config, preset):
 def test_rollout_statistics_reach_every_row(sampled):
     """kl_adapters:sequence: each row of the round carries the adapter's rollout statistics (fitted in OpenRLHF's
     experience maker), the training step uses them: its gradient differs from sequence-plain's."""
-    from kl_adapters.adapters.openrlhf_statistics import KEYS
+    from kl_adapters.adapters.openrlhf.statistics import KEYS
 
     policy, _, _ = sampled
     plain, batch = loss_and_batch("kl_adapters:sequence-plain", sampled)

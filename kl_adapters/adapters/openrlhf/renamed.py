@@ -1,4 +1,4 @@
-"""OpenRLHF's renamed ``train_ppo_ray`` flags: the one table that the launcher (`openrlhf_cli`) and the doctor
+"""OpenRLHF's renamed ``train_ppo_ray`` flags: the one table that the launcher (`cli`) and the doctor
 (`kl_adapters.doctor.openrlhf`) read to say what an old flag is called now.
 
 OpenRLHF 0.10.2 (commit ed62d0e2, "dotted config hierarchy") replaced the flat flags of openrlhf/cli/train_ppo_ray.py
@@ -10,8 +10,10 @@ Pinned by tests/openrlhf/test_activation.py::test_renamed_flags_are_new_flags_of
 
 from __future__ import annotations
 
+
 #: the release that renamed them
 RENAMED_IN = "0.10.2"
+
 
 #: old flag (OpenRLHF <= 0.10.1) -> its name since RENAMED_IN
 RENAMED: dict[str, str] = {

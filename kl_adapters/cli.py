@@ -1,5 +1,6 @@
 """The `kl-adapters` command: `audit` (exact gradient table), `demo` (the exact-objective benchmark), `presets`,
-`doctor` (what a TRL / verl / OpenRLHF configuration's KL gradient optimizes)."""
+`doctor` (what a TRL / verl / OpenRLHF configuration's KL gradient optimizes), `measure` (how far that gradient is
+from the exact one on your own model and prompts, and whether it matters against the task gradient)."""
 
 from __future__ import annotations
 
@@ -153,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("framework", choices=("trl", "verl", "openrlhf"))
     doc.add_argument("args", nargs=argparse.REMAINDER, help="the framework's arguments, a config file or a script")
     doc.set_defaults(func=_doctor)
+    from .measure.command import add_arguments, run
+
+    m = sub.add_parser(
+        "measure", help="measure a KL configuration's gradient bias on your policy, reference and prompts",
+        description="Sample G completions per prompt from your policy, then estimate, with confidence intervals, how "
+                    "far the expected KL gradient of a configuration (TRL's default, the k3 loss, verl's or "
+                    "OpenRLHF's settings, or read from a launch configuration) is from the exact gradient of the "
+                    "sequence KL, for it and every kl-adapters preset; with a reward, against the task gradient and "
+                    "one step's noise. Exit 0, or 2 on bad input (one line, before any sampling). docs/measure.md.")
+    add_arguments(m)
+    m.set_defaults(func=run)
     return parser
 
 

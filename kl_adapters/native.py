@@ -144,3 +144,36 @@ def openrlhf_reward(estimator: str) -> NativeKL:
     """OpenRLHF 0.11.2 KL in the reward (default; trainer/ppo_utils/experience_maker.py:205-214, compute_reward
     models/utils.py:131-159): per-token reward -init_coef * k_t, then returns (reward-to-go) or GAE."""
     return detached_reward(estimator, to_go=True, source="openrlhf/trainer/ppo_utils/experience_maker.py:205-290")
+
+
+#: the native configurations `kl-adapters measure --config` takes by name (besides every preset's own name), each with
+#: the setting it stands for; `<framework>:<setting>` forms take any value the framework's function above accepts
+NAMED = {
+    "trl-default": "TRL 1.16 GRPO at beta > 0: k3 * pi/pi_old per token (use_bias_correction_kl=True)",
+    "trl-k3-loss": "TRL GRPO with use_bias_correction_kl=False (legacy GRPO's k3 loss)",
+    "trl-rloo": "TRL RLOOTrainer: k1 summed into the sequence reward",
+    "verl-default": "verl actor KL loss kl_loss_type=low_var_kl (use_kl_loss=True)",
+    "verl:<kl_loss_type>": "verl actor KL loss, e.g. verl:k1, verl:k2, verl:k3+, verl:low_var_kl+",
+    "verl-reward:<kl_penalty>": "verl KL in the reward (use_kl_in_reward=True) with an outcome advantage (GRPO)",
+    "openrlhf-default-k3": "OpenRLHF --algo.kl.use_loss --algo.kl.estimator k3",
+    "openrlhf:<estimator>": "OpenRLHF KL loss (--algo.kl.use_loss), e.g. openrlhf:k1, openrlhf:k2",
+    "openrlhf:unbiased_gradient": "OpenRLHF --algo.kl.use_loss --algo.kl.unbiased_gradient",
+    "openrlhf-reward:<estimator>": "OpenRLHF KL in the reward (its default), e.g. openrlhf-reward:k1",
+}
+
+
+def by_name(name: str) -> NativeKL | None:
+    """The NativeKL of a name of `NAMED` (None for a name it does not know; a preset's own name is not looked up
+    here). `<framework>:<setting>` passes the setting to that framework's function above."""
+    fixed = {"trl-default": lambda: trl_grpo_loss(True), "trl-k3-loss": lambda: trl_grpo_loss(False),
+             "trl-rloo": trl_rloo_reward, "verl-default": lambda: verl_loss("low_var_kl"),
+             "openrlhf-default-k3": lambda: openrlhf_loss("k3"),
+             "openrlhf:unbiased_gradient": lambda: openrlhf_loss("k3", unbiased_gradient=True)}
+    if name in fixed:
+        return fixed[name]()
+    family, _, setting = name.partition(":")
+    forms = {"verl": verl_loss, "verl-reward": lambda s: verl_reward(s, to_go=False), "openrlhf": openrlhf_loss,
+             "openrlhf-reward": openrlhf_reward}
+    if setting and family in forms:
+        return forms[family](setting)
+    return None

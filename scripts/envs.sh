@@ -45,7 +45,7 @@ build() {
   local fw=""
   [ -n "$version" ] && fw="${DIST[$name]:-}==$version"
   case "$name" in
-    core) "${pip[@]}" "${con[@]}" pytest hypothesis numpy matplotlib ;;
+    core) "${pip[@]}" "${con[@]}" pytest hypothesis numpy matplotlib transformers ;;
     trl) "${pip[@]}" "${con[@]}" "${fw:-trl==1.16.0}" peft pytest hypothesis numpy matplotlib ;;
     verl) "${pip[@]}" "${con[@]}" "${fw:-verl==0.9.1}" pytest numpy uvicorn fastapi cachetools transferqueue \
             matplotlib ;;

@@ -159,7 +159,7 @@ class VerlLoss(VerlPPOLoss):
                          normalized=False)
 
     def __call__(self, model, batch):
-        from kl_adapters.demo.completions import of_toy
+        from kl_adapters.demo.harness import of_toy
 
         return super().__call__(model, of_toy(batch))
 

@@ -1,7 +1,7 @@
 """The batch layout the framework loss functions of bench/demo_verl.py and bench/demo_openrlhf.py take: prompts and
 their sampled completions, as verl and OpenRLHF lay them out (left-padded prompts, then right-padded completions).
 
-The toy harness (`harness.Batch`: one prompt token, one group) converts with `of_toy`; the task harness
+The toy harness (`harness.Batch`: one prompt token, one group) converts with `harness.of_toy`; the task harness
 (`task.harness.Batch`, a subclass) has prompts of any width and several prompt groups. `logps_and_eos` is the one
 forward both take the current policy's log-probs and pi(EOS | y_<t) from (tests/verl/test_demo_runner.py::
 test_harness_eos_probabilities pins it on the toy, tests/verl/test_task_harness.py on the task layout).
@@ -10,13 +10,9 @@ test_harness_eos_probabilities pins it on the toy, tests/verl/test_task_harness.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .harness import Batch as ToyBatch
 
 
 @dataclass(frozen=True)
@@ -42,14 +38,6 @@ class Completions:
     def attention_mask(self) -> Tensor:
         """[B, P + T] long."""
         return torch.cat([self.prompt_mask, self.mask.long()], 1)
-
-
-def of_toy(batch: ToyBatch) -> Completions:
-    """The toy harness's batch (input_ids = one prompt token + completion) in this layout, as one group."""
-    ids = batch.input_ids
-    return Completions(prompts=ids[:, :1], prompt_mask=torch.ones_like(ids[:, :1]), tokens=ids[:, 1:],
-                       mask=batch.completion_mask, old_logp=batch.old_logp, ref_logp=batch.ref_logp,
-                       rewards=batch.rewards, advantages=batch.advantages, groups=None)
 
 
 def logps_and_eos(model: torch.nn.Module, c: Completions, eos_id: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .completions import Completions, logps_and_eos
 from .problem import ExactEvaluator, ToyProblem, completion_logprobs, enumerated_input_ids
 
 
@@ -118,6 +119,13 @@ def batch_logps_and_eos(problem: ToyProblem, model: torch.nn.Module, batch: Batc
     """From one forward of the model: [G, T] log pi(y_t | y_<t) with gradient, pi(EOS | y_<t) (detached) and
     whether y_t is EOS (bool), all 0 / False at padding (`completions.logps_and_eos` of the batch); equals
     `batch_logps` in its first output (tests/verl/test_demo_runner.py::test_harness_eos_probabilities)."""
-    from .completions import logps_and_eos, of_toy
-
     return logps_and_eos(model, of_toy(batch), problem.eos_id)
+
+
+def of_toy(batch: Batch) -> Completions:
+    """The batch (input_ids = one prompt token + completion) in the framework losses' layout
+    (`completions.Completions`), as one group."""
+    ids = batch.input_ids
+    return Completions(prompts=ids[:, :1], prompt_mask=torch.ones_like(ids[:, :1]), tokens=ids[:, 1:],
+                       mask=batch.completion_mask, old_logp=batch.old_logp, ref_logp=batch.ref_logp,
+                       rewards=batch.rewards, advantages=batch.advantages, groups=None)

@@ -1,15 +1,22 @@
 """The package's import graph (issue 36): no cycle, and no import running back up the layers.
 
 The graph is read from the checkout's source with `ast` (nothing is imported): every `import` and `from ... import`
-counts, at module level and inside functions alike (a lazy import still ties the two modules together), and so does
-`importlib.import_module("<literal>")`; only `if TYPE_CHECKING:` blocks, which never run, do not. An edge goes to the
-module named (`from .x import f` -> `x`; `from . import x` -> the submodule `x` when there is one).
+counts, at module level and inside functions alike (a lazy import still ties the two modules together), in
+`if TYPE_CHECKING:` blocks too (a type-only import ties them as well), and so does
+`importlib.import_module("<literal>")`; a module that calls `import_module` with a computed name imports every package
+module it names by its dotted name in a string literal (activation's `ADAPTERS` table). An edge goes to the module
+named (`from .x import f` -> `x`; `from . import x` -> the submodule `x` when there is one).
 
 The layers, lowest first: the core (`kl_adapters` and its top-level modules), `adapters`, then `doctor` and `demo`
 (side by side: neither imports the other), `measure` (reads configurations with the doctor), `demo.task`, and `cli`
 on top. A module imports only from its own layer
 and those below. The demo's drivers (`demo.run`, `demo.long_horizon_run`, `demo.task.driver`) are entry points:
 nothing in the package but `cli` imports them, and what they share lives in `demo.output`.
+
+One kind of edge runs up on purpose: activation loads each framework's adapter by name when that framework's module is
+imported (`PLUGIN_LOADS`), at run time, never while a module is being imported; the adapters import activation for the
+settings. The layer and cycle checks read the graph without those loads, and `test_plugin_loads_are_the_only_way_up`
+pins that they are visible and that nothing else in the core imports an adapter.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ MAY_IMPORT = {
 }
 #: entry points: imported by `cli` only
 DRIVERS = {"kl_adapters.demo.run", "kl_adapters.demo.long_horizon_run", "kl_adapters.demo.task.driver"}
+#: activation's loads of the adapters (`importlib.import_module(ADAPTERS[framework][0])` in `_patch` and `disable`)
+PLUGIN_LOADS = {("kl_adapters.activation", f"kl_adapters.adapters.{framework}")
+                for framework in ("trl", "verl", "openrlhf")}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -54,30 +64,14 @@ def _absolute(module: str, is_package: bool, level: int, name: str | None) -> st
     return ".".join(base + ([name] if name else []))
 
 
-def _type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
-def _nodes(node: ast.AST):
-    """Every node under `node`, skipping the bodies of `if TYPE_CHECKING:`."""
-    for child in ast.iter_child_nodes(node):
-        yield child
-        if _type_checking(child):
-            for other in child.orelse:
-                yield other
-                yield from _nodes(other)
-        else:
-            yield from _nodes(child)
-
-
 def imports(name: str, path: Path, known: set[str]) -> dict[str, int]:
     """The package modules `name` (at `path`) imports: module -> first line."""
     is_package = path.name == "__init__.py"
     found: dict[str, int] = {}
-    for node in _nodes(ast.parse(path.read_text(), str(path))):
+    nodes = list(ast.walk(ast.parse(path.read_text(), str(path))))
+    computed = any(isinstance(node, ast.Call) and _calls_import_module(node)
+                   and not (node.args and isinstance(node.args[0], ast.Constant)) for node in nodes)
+    for node in sorted(nodes, key=lambda n: getattr(n, "lineno", 0)):
         targets = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -85,15 +79,20 @@ def imports(name: str, path: Path, known: set[str]) -> dict[str, int]:
             base = _absolute(name, is_package, node.level, node.module) if node.level else node.module
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and getattr(node.func, "id", getattr(node.func, "attr", None)) == "import_module"):
+              and isinstance(node.args[0].value, str) and _calls_import_module(node)):
             text = node.args[0].value
             level = len(text) - len(text.lstrip("."))
             targets = [_absolute(name, is_package, level, text[level:] or None) if level else text]
+        elif computed and isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+            targets = [node.value]  # a dotted module name (a bare "kl_adapters" is a logger's name)
         for target in targets:
             if target in known and target != name:
                 found.setdefault(target, node.lineno)
     return found
+
+
+def _calls_import_module(node: ast.Call) -> bool:
+    return getattr(node.func, "id", getattr(node.func, "attr", None)) == "import_module"
 
 
 @functools.cache
@@ -164,8 +163,12 @@ def layer(module: str) -> str:
     return "core"
 
 
+def without_plugin_loads(edges: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {a: {b: line for b, line in targets.items() if (a, b) not in PLUGIN_LOADS} for a, targets in edges.items()}
+
+
 def test_no_import_cycle():
-    edges = graph()
+    edges = without_plugin_loads(graph())
     found = cycles(edges)
     assert not found, "import cycles (each a closed path; the line of each import):\n" + "\n".join(
         " -> ".join(f"{a} (line {edges[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
@@ -174,9 +177,22 @@ def test_no_import_cycle():
 
 def test_no_import_runs_back_up():
     wrong = [f"{a} ({layer(a)}) imports {b} ({layer(b)}), line {line}"
-             for a, targets in graph().items() for b, line in targets.items()
+             for a, targets in without_plugin_loads(graph()).items() for b, line in targets.items()
              if layer(b) not in MAY_IMPORT[layer(a)]]
     assert not wrong, wrong
+
+
+def test_plugin_loads_are_the_only_way_up():
+    """activation's loads of the adapters are in the graph (read from its ADAPTERS table), they are the only edges from
+    the core into the adapters, and they run only when called: importing activation imports no adapter."""
+    edges = graph()
+    assert PLUGIN_LOADS <= {(a, b) for a, targets in edges.items() for b in targets}
+    up = {(a, b) for a, targets in edges.items() for b in targets if layer(a) == "core" and layer(b) != "core"}
+    assert up == PLUGIN_LOADS, up - PLUGIN_LOADS
+    tree = ast.parse((ROOT / PACKAGE / "activation.py").read_text())
+    top_level_calls = [n for statement in tree.body if not isinstance(statement, (ast.FunctionDef, ast.ClassDef))
+                       for n in ast.walk(statement) if isinstance(n, ast.Call) and _calls_import_module(n)]
+    assert not top_level_calls
 
 
 def test_only_the_cli_imports_a_driver():
@@ -190,11 +206,17 @@ def test_the_graph_itself(tmp_path: Path):
     """The reader and the cycle search on known cases (a reader that found no import would pass everything)."""
     edges = graph()
     assert set(MAY_IMPORT) == {layer(m) for m in edges}
-    # module level, relative and absolute; inside a function; `from . import submodule`; import_module(".x")
+    # module level, relative and absolute; inside a function; `from . import submodule`; import_module(".x"); a
+    # computed import_module and the names in its module's table; a type-only import
     assert "kl_adapters.demo.output" in edges["kl_adapters.demo.run"]
     assert "kl_adapters.demo.long_horizon_run" in edges["kl_adapters.cli"]
     assert "kl_adapters.demo.report" in edges["kl_adapters.demo.run"]
     assert "kl_adapters.activation" in edges["kl_adapters"]
+    assert {"kl_adapters.adapters.trl", "kl_adapters.adapters.verl", "kl_adapters.adapters.openrlhf"} <= set(
+        edges["kl_adapters.activation"])
+    assert "kl_adapters.reductions" in edges["kl_adapters.options"]  # options.py's one import is type-only
+    # the demo's former circle (completions <-> harness: type-only one way, lazy the other) is gone
+    assert "kl_adapters.demo.harness" not in edges["kl_adapters.demo.completions"]
     package = tmp_path / PACKAGE
     (package / "sub").mkdir(parents=True)
     (package / "__init__.py").write_text("from importlib import import_module\nimport_module('.a', __name__)\n")
@@ -203,10 +225,12 @@ def test_the_graph_itself(tmp_path: Path):
     (package / "b.py").write_text("import kl_adapters.a\n")
     (package / "sub" / "__init__.py").write_text("")
     (package / "sub" / "c.py").write_text("from .. import b\nfrom ..a import f\n")
+    (package / "d.py").write_text("import importlib\nTABLE = {'x': 'kl_adapters.sub.c', 'y': 'sub.c'}\n"
+                                  "def load(k):\n    return importlib.import_module(TABLE[k])\n")
     small = graph(tmp_path)
-    assert small == {"kl_adapters": {"kl_adapters.a": 2}, "kl_adapters.a": {"kl_adapters.sub.c": 5},
-                     "kl_adapters.b": {"kl_adapters.a": 1}, "kl_adapters.sub": {},
-                     "kl_adapters.sub.c": {"kl_adapters.b": 1, "kl_adapters.a": 2}}
-    assert cycles(small) == [["kl_adapters.a", "kl_adapters.sub.c", "kl_adapters.a"]]
+    assert small == {"kl_adapters": {"kl_adapters.a": 2}, "kl_adapters.a": {"kl_adapters.b": 3, "kl_adapters.sub.c": 5},
+                     "kl_adapters.b": {"kl_adapters.a": 1}, "kl_adapters.d": {"kl_adapters.sub.c": 2},
+                     "kl_adapters.sub": {}, "kl_adapters.sub.c": {"kl_adapters.b": 1, "kl_adapters.a": 2}}
+    assert cycles(small) == [["kl_adapters.a", "kl_adapters.b", "kl_adapters.a"]]
     assert cycles({"x": {"y"}, "y": {"z"}, "z": set()}) == []
     assert layer("kl_adapters.demo.task.driver") == "demo.task" and layer("kl_adapters.surrogate") == "core"

@@ -96,3 +96,28 @@ def test_unpatch_gives_back_trls_own_objects():
     adapter.unpatch()
     assert all(vars(GRPOTrainer)[name] is original for name, original in originals.items())
     adapter.patch("trl.trainer.grpo_trainer")
+
+
+def test_scoped_state_and_overriding_always_restore():
+    """patching.Scoped (what every adapter's wrappers hand each other) and patching.overriding (TRL's beta for one
+    compute_loss call): the value holds inside the block, nested blocks see their own, and the previous value is back
+    when a block ends, by an exception too."""
+    from kl_adapters.adapters.patching import Scoped, overriding
+
+    step = Scoped("test.step")
+    assert step.get() is None
+    with pytest.raises(RuntimeError), step.bound("outer"):
+        with step.bound("inner"):
+            assert step.get() == "inner"
+        assert step.get() == "outer"
+        raise RuntimeError
+    assert step.get() is None
+
+    class Trainer:
+        beta = 0.04
+
+    trainer = Trainer()
+    with pytest.raises(RuntimeError), overriding(trainer, "beta", 0.0):
+        assert trainer.beta == 0.0
+        raise RuntimeError
+    assert trainer.beta == 0.04

@@ -71,7 +71,7 @@ def _normaliser_kind(trainer: GRPOTrainer) -> str | None:
 def per_token_normaliser(trainer: GRPOTrainer, inputs: dict, mask: torch.Tensor) -> float | torch.Tensor:
     """D such that TRL 1.16 divides each token of this micro-batch's policy loss by D (grpo_trainer.py:3152-3185).
 
-    For the length-normalised kinds (grpo, sapo, gmpo) returns B * max_completion_length (see module docstring).
+    For the length-normalised kinds (grpo, sapo, gmpo) returns B * max_completion_length (loss.py's docstring says why).
     """
     train = trainer.model.training
     accumulation = trainer.current_gradient_accumulation_steps if train else 1

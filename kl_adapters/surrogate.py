@@ -174,7 +174,8 @@ class KLTerm:
 def weight_gap(parts: Tensor) -> Tensor:
     """sum |c_native - c_preset| / sum |c_preset| from [..., 2] `KLTerm.weight_gap_parts` (summed first over whatever
     the batch is split across): 0 when the two weights agree token for token, and 0 when the preset's weights are all
-    zero (nothing to compare with). The one formula of the kl_adapters/grad_weight_gap metric (adapters/metrics.py)."""
+    zero (nothing to compare with). The one formula of the kl_adapters/grad_weight_gap metric (adapters/metrics.py);
+    pinned by tests/verl/test_loss_path.py::test_grad_weight_gap_is_the_distance_of_the_weights."""
     gap, size = parts.unbind(-1)
     return torch.where(size > 0, gap / size.clamp(min=torch.finfo(size.dtype).tiny), 0.0)
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from verl_cases import B, Case, R, actor_config, flat_grad, flat_log_probs, flat_outputs, padded
 
-from kl_adapters import SAMPLED_TOKEN_PRESETS, activation, kl_statistics, kl_surrogate, per_sequence_beta, sequence_kl
+from kl_adapters import (SAMPLED_TOKEN_PRESETS, activation, kl_coefficients, kl_statistics, kl_surrogate,
+                         per_sequence_beta, sequence_kl)
 from kl_adapters.adapters import verl as verl_adapter
 from kl_adapters.adapters.verl import loss as verl_loss
 
@@ -66,6 +67,21 @@ def test_gradient_is_task_plus_kl_surrogate(off_policy, preset, mode):
     assert_kl_part(flagged, task, kl)
     assert {"actor/pg_loss", "kl_loss", "kl_coef", "kl_adapters/seq_kl", "kl_adapters/grad_weight_gap",
             "kl_adapters/is_ess"} <= set(metrics)
+
+
+@pytest.mark.parametrize("preset", ["sequence-plain", "sequence"])
+def test_grad_weight_gap_is_the_distance_of_the_weights(off_policy, preset):
+    """kl_adapters/grad_weight_gap = sum_t |c_native - c_preset| / sum_t |c_preset| over the micro-batch's tokens
+    (`surrogate.weight_gap`, the adapters' one formula), c_native the on-policy weights of verl's own kl_loss_type
+    (low_var_kl, as preset k3-loss, for a kl_adapters: name) and c_preset the preset's, on the same padded batch."""
+    case = off_policy
+    _, _, metrics = case.ppo_grad(actor_config(kl_loss_type=f"kl_adapters:{preset}"))
+    lp = padded(case.log_probs(), case.tokens).detach()
+    mask = case.tokens["response_mask"].bool()
+    ours = kl_coefficients(lp, case.ref, mask, preset=preset, old_logp=case.old, **case.reduced(preset))
+    native = kl_coefficients(lp, case.ref, mask, preset="k3-loss")
+    want = ((native - ours).abs().sum() / ours.abs().sum()).item()
+    assert want > 0 and metrics["kl_adapters/grad_weight_gap"].aggregate() == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.compat

@@ -9,7 +9,7 @@ placeholder when absent (`PLACEHOLDERS`, reported in the notes), so a partial co
 --algo.kl.estimator k3`` is enough; any other argument its validation fails on is named. kl-adapters'
 ``--algo.kl.preset`` (the openrlhf_cli wrapper's flag) and KL_ADAPTERS (the script's environment) are read as the
 adapter reads them; its refusals (`kl_adapters.adapters.openrlhf.check_args`) are the verdict "refused". Flags that
-OpenRLHF renamed (`kl_adapters.adapters.openrlhf_flags.RENAMED`) are named with their new names.
+OpenRLHF renamed (`kl_adapters.adapters.openrlhf.renamed.RENAMED`) are named with their new names.
 
 KL paths (`kl_adapters.native`): the loss (``--algo.kl.use_loss``: compute_approx_kl differentiated, global token
 mean, times init_coef) or the reward (default: -init_coef * k_t per token, returns with gamma, or GAE).

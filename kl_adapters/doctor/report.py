@@ -290,7 +290,7 @@ SCHEMA = {
 def adapter_native(preset: str, flag: str, adapter: str) -> NativeKL:
     """The NativeKL of a path kl-adapters replaces: its gradient is the preset's by construction (adapter tests)."""
     return NativeKL(preset, f"{flag}: kl-adapters replaces the framework's KL term with preset {preset!r} "
-                            f"({get_preset(preset).gradient})", f"kl_adapters/adapters/{adapter}.py")
+                            f"({get_preset(preset).gradient})", f"kl_adapters/adapters/{adapter}/")
 
 
 def note_budget(report: Report, settings, beta: str, cadence: str, flag: str) -> None:

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 from .plan import PlanError
 
@@ -41,9 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "verl-reward:<kl_penalty>, openrlhf-default-k3, openrlhf:<estimator>, "
                         "openrlhf:unbiased_gradient, openrlhf-reward:<estimator>) or a preset; repeatable "
                         "(default trl-default). Every preset is measured beside it.")
-    k.add_argument("--beta", type=float, help="the KL coefficient as the framework states it (per token, relative to "
-                                              "the task loss; default: the launch configuration's, else 1 when there "
-                                              "is no reward)")
+    k.add_argument("--beta", help="the KL coefficient as the framework states it (per token, relative to the task "
+                                   "loss; default: the launch configuration's, else 1 when there is no reward); a "
+                                   "list like 0.05,0.2,0.5 also reports the judged configurations at the others "
+                                   "(from the same samples; `sequence` stays fitted at the first)")
     k.add_argument("--reward", metavar="MODULE:FUNCTION", help="a TRL reward function (module:function or "
                                                                 "file.py:function): adds the task gradient")
     k.add_argument("--scale-rewards", choices=("group", "none"), default="group",
@@ -85,11 +87,22 @@ def _numbers(args: argparse.Namespace) -> None:
         (args.micro_batch >= 1, f"--micro-batch must be >= 1, got {args.micro_batch}"),
         (args.step_batch >= args.group_size, f"--step-batch ({args.step_batch}) must hold at least one group "
                                              f"(-G {args.group_size})"),
-        (args.beta is None or args.beta > 0, f"--beta must be > 0, got {args.beta}"),
     )
     for ok, message in checks:
         if not ok:
             raise Refusal(message)
+
+
+def _betas(text: str | None) -> tuple[float, ...]:
+    if text is None:
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(v > 0 for v in values):
+        raise Refusal(f"--beta must be a number > 0 or a list of them like 0.05,0.2, got {text!r}")
+    return values
 
 
 def _bins(text: str) -> int | tuple[int, ...]:
@@ -113,11 +126,12 @@ def _sketch(text: str, numel: int) -> int | None:
 
 
 def configurations(args: argparse.Namespace):
-    """The judged configurations and the beta of a launch configuration (None when not read from one)."""
+    """The judged configurations, the beta of a launch configuration (None when not read from one) and the doctor's
+    notes on it (an off-policy regime this measurement does not sample, its warnings)."""
     from .plan import configuration, of_native
 
     judged = [configuration(n) for n in args.config or ([] if args.launch else ["trl-default"])]
-    beta = None
+    beta, notes = None, []
     if args.launch:
         from ..doctor import DoctorError, diagnose
 
@@ -132,9 +146,14 @@ def configurations(args: argparse.Namespace):
         if not report.paths:
             raise Refusal(f"this {framework} launch configuration has no KL term: nothing to measure")
         for path in report.paths:
-            judged.append(of_native(f"{framework} {path.path}: {path.setting}", path.native))
+            judged.append(of_native(f"{framework} {path.path}", path.native))
+            notes.append(f"{framework} {path.path} = {path.setting}")
             beta = beta if beta is not None or path.beta is None else path.beta
-    return judged, beta
+        if "off-policy" in report.regimes and not args.behaviour:
+            notes.append(f"the launch also trains off-policy ({report.off_policy_reason}); this measurement samples "
+                         "the policy itself: give --behaviour <a checkpoint a few steps older> for that regime")
+        notes += [f"{h.code}: {h.message}" for h in report.hazards if h.severity in ("bias", "warning")]
+    return judged, beta, notes
 
 
 def _device(text: str):
@@ -164,7 +183,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from . import models as mo
     from .gradients import GradientView
-    from .measurement import measure
+    from .crossfit import CrossFit
+    from .measurement import collect, summarize
     from .plan import Plan, length_bins
     from .report import document, format_table, plot
 
@@ -175,8 +195,9 @@ def _run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise Refusal("--plot needs matplotlib (pip install matplotlib)") from None
-    judged, launch_beta = configurations(args)
-    beta = args.beta if args.beta is not None else launch_beta
+    betas = _betas(args.beta)
+    judged, launch_beta, notes = configurations(args)
+    beta = betas[0] if betas else launch_beta
     if args.reward and beta is None:
         raise Refusal("give --beta (the KL coefficient): with a reward the bias is compared with the task gradient")
     reward_fn = mo.load_reward(args.reward) if args.reward else None
@@ -201,9 +222,12 @@ def _run(args: argparse.Namespace) -> int:
     source = mo.ModelSource(models, sampled, args.temperature, rewards)
     plan = Plan(tuple(judged), beta if beta is not None else 1.0, length_bins(source.lengths, bins),
                 scale_rewards=args.scale_rewards == "group", with_task=rewards is not None)
-    result = measure(source, plan, view, folds=args.folds, micro_batch=args.micro_batch, step_batch=args.step_batch,
-                     confidence=args.confidence, progress=lambda stage, d, n: bar(stage, d, n))
+    vectors, sizes = collect(source, plan, view, folds=args.folds, micro_batch=args.micro_batch,
+                             progress=lambda stage, d, n: bar(stage, d, n))
     bar.close()
+    crossfit = CrossFit.of(vectors, sizes)
+    result, *others = [summarize(crossfit, replace(plan, beta=b), source.lengths, step_batch=args.step_batch,
+                                 confidence=args.confidence) for b in (plan.beta, *betas[1:])]
     lengths = source.lengths.to(torch.float64)
     context = {
         "policy": args.policy, "reference": args.reference or "the adapter's base", "behaviour": args.behaviour,
@@ -213,14 +237,14 @@ def _run(args: argparse.Namespace) -> int:
         "regime": "off-policy" if source.off_policy else "on-policy", "beta": plan.beta,
         "reward": args.reward, "scale_rewards": args.scale_rewards, "step_batch": args.step_batch,
         "parameters": numel, "params": args.params, "sketch": view.sketch, "device": device, "dtype": str(dtype),
-        "judged": [c.__dict__ for c in judged], "reference_estimator": plan.reference.name,
+        "judged": [c.__dict__ for c in judged], "notes": notes, "reference_estimator": plan.reference.name,
         "seconds": round(time.perf_counter() - start, 1),
     }
     if args.plot:
         plot(result, args.plot, f"{args.policy} vs {context['reference']}, {len(rows)} prompts x G = "
                                 f"{args.group_size}")
     if args.json:
-        json.dump(document(result, context), sys.stdout, indent=2)
+        json.dump(document(result, context, others), sys.stdout, indent=2)
         print()
         return 0
     kind = "exact" if view.sketch is None else f"count-sketched to {view.sketch:,} values (norms within about " \
@@ -234,8 +258,9 @@ def _run(args: argparse.Namespace) -> int:
         f"beta {plan.beta:g}" + (f", reward {args.reward} (GRPO advantages, scale_rewards={args.scale_rewards}), "
                                  f"{args.step_batch} completions per step" if rewards is not None else
                                  " (no reward: the bias against the exact KL gradient only)"),
+        *(f"note: {n}" for n in notes),
     ]
-    print(format_table(result, header))
+    print(format_table(result, header, others))
     return 0
 
 

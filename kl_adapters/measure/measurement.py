@@ -84,6 +84,7 @@ class Measurement:
     group_size: int
     step_groups: float
     confidence: float
+    beta: float
 
     def as_dict(self) -> dict:
         def plain(x):
@@ -167,7 +168,8 @@ def summarize(crossfit: CrossFit, plan: Plan, lengths: Tensor, *, step_batch: in
     trained_norm = None if task is None else interval(
         lambda m: m.dot(task + plan.beta * exact, task + plan.beta * exact)).map(_root)
     return Measurement(tuple(rows), tuple(by_length), interval(lambda m: m.dot(exact, exact)).map(_root),
-                       trained_norm, crossfit.folds, int(crossfit.sizes.sum()), group_size, step_groups, confidence)
+                       trained_norm, crossfit.folds, int(crossfit.sizes.sum()), group_size, step_groups, confidence,
+                       plan.beta)
 
 
 def measure(source: Source, plan: Plan, view: GradientView, *, folds: int = 16, micro_batch: int = 64,

@@ -16,7 +16,11 @@ def _pct(x: Interval) -> str:
     def p(v: float) -> str:
         if math.isnan(v):
             return "-"
-        return f"{100 * v:.0f}%" if v >= 0.1 else f"{100 * v:.1f}%" if v >= 0.001 else f"{100 * v:.2g}%"
+        if v >= 0.1:
+            return f"{100 * v:.0f}%"
+        if v == 0:
+            return "0%"
+        return f"{100 * v:.1f}%" if v >= 0.001 else f"{100 * v:.2f}%" if v >= 1e-4 else "<0.01%"
     return f"{p(x.estimate)} [{p(max(x.low, 0.0))}, {p(x.high)}]" if not math.isnan(x.low) else p(x.estimate)
 
 
@@ -57,9 +61,10 @@ def verdict(row: Row, m: Measurement) -> str:
     return text
 
 
-def format_table(m: Measurement, header: list[str]) -> str:
+def format_table(m: Measurement, header: list[str], others: list[Measurement] = ()) -> str:
     """The table: header lines, every configuration's bias and cosine (and, with a reward, against the trained
-    gradient and one step's noise), the judged configuration by completion length, and the verdicts."""
+    gradient and one step's noise), the judged configurations at the other betas (`others`, the same samples), the
+    first judged configuration by completion length, and the verdicts."""
     level = f"{100 * m.confidence:g}%"
     lines = [*header, f"exact KL gradient: |E g| = {_num(m.exact_norm, '.3g')} ({level} intervals below; "
                       f"{m.folds} folds of {m.groups // m.folds}-{-(-m.groups // m.folds)} prompt groups)", ""]
@@ -75,6 +80,14 @@ def format_table(m: Measurement, header: list[str]) -> str:
             line += f"{_pct(r.trained):<27}{_pct(r.noise):<25}{_steps(r.horizon)}"
         lines.append(line)
     lines.append("* judged; bias = |E g - grad KL_seq| / |grad KL_seq|, cosine = cos(E g, grad KL_seq)")
+    if task and others:
+        lines += ["", f"{'judged at beta':<26}{'':<15}{'beta bias / trained grad':<27}{'/ one step noise':<25}"
+                      "steps until bias > noise"]
+        for other in others:
+            for r in other.rows:
+                if r.judged:
+                    lines.append(f"{r.name + f' @ {other.beta:g}':<41}{_pct(r.trained):<27}{_pct(r.noise):<25}"
+                                 f"{_steps(r.horizon)}")
     if len(m.by_length) > 1:
         judged = next(r for r in m.rows if r.judged)
         lines += ["", f"{judged.name} by completion length (tokens, EOS included):",
@@ -86,10 +99,11 @@ def format_table(m: Measurement, header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def document(m: Measurement, context: dict) -> dict:
-    """The `--json` document: {"schema", "context" (inputs and sampling), "measurement" (Measurement.as_dict)}."""
+def document(m: Measurement, context: dict, others: list[Measurement] = ()) -> dict:
+    """The `--json` document: {"schema", "context" (inputs and sampling), "measurement" (Measurement.as_dict),
+    "verdicts", "other_betas" (the measurement at each further beta)}."""
     return {"schema": SCHEMA, "context": context, "measurement": m.as_dict(),
-            "verdicts": [verdict(r, m) for r in m.rows if r.judged]}
+            "verdicts": [verdict(r, m) for r in m.rows if r.judged], "other_betas": [o.as_dict() for o in others]}
 
 
 def plot(m: Measurement, path: str, title: str) -> None:

@@ -8,52 +8,28 @@ one line and exit 2 *before any sampling* (`models.sample` is replaced by a func
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from kl_adapters.cli import main
 from kl_adapters.measure import models
 from kl_adapters.tiny_models import DEFAULT_CHARS, save_tiny_model
 
-SIZE = {"hidden": 16, "layers": 1, "heads": 2}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from measure_checks import SIZE, run, tiny_inputs  # noqa: E402
 
-
-def _perturbed(folder, scale: float, seed: int):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("measure")
-    save_tiny_model(root / "reference", seed=0, **SIZE)
-    save_tiny_model(root / "policy", seed=0, **SIZE)
-    _perturbed(root / "policy", 0.5, seed=1)
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)})
-                                                  for i in range(12)))
-    (root / "reward.py").write_text("def reward(prompts, completions, completion_ids, answer, **kwargs):\n"
-                                    "    return [float(a in c) + 0.1 * len(c) for c, a in zip(completions, answer)]\n")
-    return root
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()  # what the fixtures printed
-    code = main(["measure", *map(str, argv)])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return tiny_inputs(tmp_path_factory.mktemp("measure"))
 
 
 def test_the_command_measures_a_tiny_llama(inputs, capsys, tmp_path):
-    code, out, err = _run(capsys, "--policy", inputs / "policy", "--reference", inputs / "reference",
+    code, out, err = run(capsys, "--policy", inputs / "policy", "--reference", inputs / "reference",
                           "--prompts", inputs / "prompts.jsonl", "-G", 4, "--max-new-tokens", 12, "--folds", 4,
                           "--reward", f"{inputs / 'reward.py'}:reward", "--beta", 0.1, "--step-batch", 16,
                           "--config", "trl-default", "--config", "verl-default", "--plot", tmp_path / "bias.png",
@@ -70,12 +46,20 @@ def test_the_command_measures_a_tiny_llama(inputs, capsys, tmp_path):
 
 
 def test_the_table_and_a_sketched_gradient(inputs, capsys):
-    code, out, err = _run(capsys, "--policy", inputs / "policy", "--reference", inputs / "reference",
+    code, out, err = run(capsys, "--policy", inputs / "policy", "--reference", inputs / "reference",
                           "--prompts", inputs / "prompts.jsonl", "-G", 3, "--max-new-tokens", 8, "--folds", 3,
                           "--sketch", 256, "--length-bins", "4,8")
     assert code == 0, err
     assert "count-sketched to 256 values" in out and "trl-default *" in out
     assert "by completion length" in out and "no reward" in out
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _fail_if_sampled(*args, **kwargs):
@@ -131,10 +115,10 @@ def test_bad_input_gets_one_line_before_any_sampling(case, inputs, capsys, tmp_p
             args[key] = value
         else:
             extra += [key, *value.split()]
-    if case.startswith("launch") and importlib.util.find_spec("verl") is not None:
+    if case.startswith("launch") and _installed("verl"):
         pytest.skip("verl is installed: the launch is readable here (tests/verl/test_measure.py)")
     argv = [x for k, v in args.items() if v is not None for x in (k, v)] + extra
-    code, out, err = _run(capsys, *argv)
+    code, out, err = run(capsys, *argv)
     assert code == 2, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kl-adapters measure: ") and expected in lines[0], err

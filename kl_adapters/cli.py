@@ -50,6 +50,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from .presets import PRESETS as listed
+    from .presets import RECOMMENDED
     if args.json:
         json.dump({n: {k: v for k, v in p.__dict__.items() if k != "coefficients"} for n, p in listed.items()},
                   sys.stdout, indent=2)
@@ -58,7 +59,9 @@ def _presets(args: argparse.Namespace) -> int:
     for p in listed.values():
         unbiased = ", ".join(w for w, ok in (("on-policy", p.unbiased_on_policy), ("off-policy", p.unbiased_off_policy))
                              if ok) or "no"
-        print(f"{p.name:<15} {p.summary}\n{'':<15} gradient: {p.gradient}\n{'':<15} importance weights: "
+        mark = {RECOMMENDED[0]: "RECOMMENDED for a KL in the loss, in every framework. ",
+                RECOMMENDED[1]: "RECOMMENDED for a KL kept in the reward. "}.get(p.name, "")
+        print(f"{p.name:<15} {mark}{p.summary}\n{'':<15} gradient: {p.gradient}\n{'':<15} importance weights: "
               f"{p.importance_weights}; unbiased for grad KL_seq: {unbiased}\n")
     return 0
 
@@ -117,7 +120,15 @@ def _refuse(command: str, message: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kl-adapters", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("audit", help="exact expected gradient, bias and variance of every preset on a tabular policy")
+    a = sub.add_parser(
+        "audit", help="exact expected gradient, bias and variance of every preset on a tabular policy",
+        description="Enumerate every sequence of a small random tabular policy (V tokens incl. EOS, horizon T) and "
+                    "compute, exactly in float64, each preset's expected KL gradient against grad KL(pi || pi_ref) "
+                    "over whole sequences: its relative bias, cosine, variance and the exact target it does follow, "
+                    "on-policy and off-policy (a behaviour policy mu). With --batch-sizes, the batch estimators "
+                    "(sequence, reward) over every batch of G; with --task, the trainer's task + KL gradient. This "
+                    "is a property of each estimator, not of your model: `kl-adapters measure` measures your model. "
+                    "docs/audit.md.")
     a.add_argument("-V", "--vocab", type=int, default=4, help="vocabulary size including EOS (default 4)")
     a.add_argument("-T", "--horizon", type=int, default=4, help="maximum sequence length (default 4)")
     a.add_argument("--seed", type=int, default=0)

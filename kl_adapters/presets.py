@@ -22,6 +22,7 @@ rows of the batch fitted to the trainer's task + KL gradient (`reductions.py` st
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -415,4 +416,6 @@ def get_preset(name: str | Preset) -> Preset:
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown KL preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        close = difflib.get_close_matches(name, PRESETS, n=1) if isinstance(name, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown KL preset {name!r}{hint}; valid presets: {', '.join(PRESETS)}") from None

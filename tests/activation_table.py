@@ -39,7 +39,7 @@ TABLE = (
     Row("sequence:is_clip=2", None),
     Row("sequence:kl_target=0.5", None),
     Row("full", None, {"verl": _NO_FULL_LOGITS, "openrlhf": _NO_FULL_LOGITS}),
-    Row("sequnce", "unknown KL preset 'sequnce'; valid presets: sequence, reward"),
+    Row("sequnce", "unknown KL preset 'sequnce' (did you mean 'sequence'?); valid presets: sequence, reward"),
     Row("sequence:foo=1", "unknown option 'foo'; valid options: is_clip, kl_target"),
     Row("sequence:is_clip=abc", "option is_clip needs a number"),
     Row("sequence:is_clip=0.5", "is_clip must be finite and >= 1"),

@@ -209,7 +209,7 @@ def format_report(report: Report, *, colour: bool = False) -> str:
     lines = [f"kl-adapters doctor: {report.framework} {report.version} ({tested}) -- {report.source}",
              "sampling: " + " + ".join(report.regimes)
              + (f" ({report.off_policy_reason})" if report.off_policy_reason else "")]
-    if not report.paths:
+    if not report.paths and report.verdict != "refused":
         lines.append("KL: none configured")
     else:
         head = f"{'path':<7}{'native setting':<46}{'preset':<14}"
@@ -229,6 +229,10 @@ def format_report(report: Report, *, colour: bool = False) -> str:
         lines.append("not resolved without running the script: " + ", ".join(report.unresolved))
     lines += [f"  note: {n}" for n in report.notes]
     lines.append(f"verdict: {paint(report.verdict.upper(), report.verdict)} (exit {report.exit_code})")
+    if report.verdict == "biased":
+        lines.append(f"  what this does not tell: whether the bias matters for your run (your model, prompts, lengths "
+                     f"and beta); measure it: kl-adapters measure --policy <checkpoint> --reference <ref> --prompts "
+                     f"<file> --reward <module:fn> --launch {report.framework} <these arguments> (docs/measure.md)")
     if report.fix is not None:
         lines.append(f"fix (preset {report.fix.preset}):")
         lines += [f"  {line}" for line in report.fix.lines]

@@ -34,6 +34,7 @@ def test_audit_table_and_presets_listing():
     assert "sequence" in table and "on/off" in table and "k3-loss" in table
     listing = run("presets")
     assert "importance weights" in listing
+    assert listing.startswith("sequence        RECOMMENDED for a KL in the loss") and listing.count("RECOMMENDED") == 2
     assert set(json.loads(run("presets", "--json"))) >= {"sequence", "reward", "token", "k1-loss", "k3-reward"}
 
 

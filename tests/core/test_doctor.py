@@ -130,7 +130,17 @@ def test_a_refusal_ends_the_analysis_as_the_verdict_refused():
         parse("sequnce", setting="kl_preset")
     assert report.verdict == "refused" and report.exit_code == 3
     assert [h.message for h in report.hazards] == ["kl-adapters refuses it: why; the fix", "kl_preset='sequnce': "
-                                                   "unknown KL preset 'sequnce'; valid presets: " + ", ".join(PRESETS)]
+                                                   "unknown KL preset 'sequnce' (did you mean 'sequence'?); valid "
+                                                   "presets: " + ", ".join(PRESETS)]
+    assert "KL: none configured" not in format_report(report)  # a refusal is not "no KL" (issue 49)
+
+
+def test_a_biased_verdict_says_what_it_does_not_tell_and_how_to_find_out():
+    """The verdict is about the estimator; whether it matters for a run is what `kl-adapters measure` measures."""
+    biased = format_report(_report(("loss", "k3-loss")))
+    assert "what this does not tell" in biased and "kl-adapters measure" in biased and "--launch verl" in biased
+    assert "what this does not tell" not in format_report(_report(("loss", "sequence")))
+    assert "KL: none configured" in format_report(_report())
 
 
 def test_untested_version_is_a_warning():

@@ -59,7 +59,7 @@ def test_flag_none_overrides_kl_adapters(actor_dir):
 def test_unknown_preset_names_the_valid_ones(actor_dir, capsys):
     with pytest.raises(SystemExit):
         cli_args(base_argv(actor_dir) + ["--algo.kl.preset", "sequense"], wrapper=True)
-    assert "unknown KL preset 'sequense'; valid presets: sequence, reward" in capsys.readouterr().err
+    assert "unknown KL preset 'sequense' (did you mean 'sequence'?); valid presets: sequence, reward" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, preset, message", [

@@ -11,10 +11,13 @@ Public API (stable names):
     full_kl_surrogate, full_kl_surrogate_from_hidden, full_statistics   preset `full`: exact KL over the vocabulary
     enable(preset), disable(), active()                           switch the framework adapters on/off (or KL_ADAPTERS=)
 
-Importing kl_adapters activates KL_ADAPTERS when it is set (`activation.activate_from_env(defer=True)`: a refused
-value is recorded, and a framework import then stops the run with its one-line error). The installed
+Importing kl_adapters attaches the adapters' loader to the switch (`activation.attach_loader`: the loader patches
+each framework as it is imported) and activates KL_ADAPTERS when it is set (`activation.activate_from_env(defer=True)`:
+a refused value is recorded, and a framework import then stops the run with its one-line error). The installed
 kl_adapters_autoload.pth line imports it at interpreter start when KL_ADAPTERS is set, so that no code change is
-needed; names are resolved lazily so that this costs no torch import in processes that never train.
+needed; names are resolved lazily so that this costs no torch import in processes that never train. This module is
+the top of the package's import graph (tests/core/test_imports.py): the only module that imports both the switch and
+the loader; no module of the package imports it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-import_module(".activation", __name__).activate_from_env(defer=True)
+_activation, _loader = import_module(".activation", __name__), import_module(".adapters.loader", __name__)
+_activation.attach_loader(_loader.switched_on, _loader.switched_off)
+_activation.activate_from_env(defer=True)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import active, disable, enable

@@ -17,22 +17,21 @@ records the refusal instead of raising, and the import of any framework module k
 that line (SystemExit, which no framework's import machinery wraps); `active()` and the adapters' `patch` raise it.
 When a preset applies, each adapter logs one line per process (`announce`).
 
-Patching is lazy: nothing is imported until a framework module listed in `ADAPTERS` is imported; then its adapter's
-`patch(trigger_module_name)` runs (already-imported frameworks are patched at once). Adapters are idempotent and look the
-settings up at call time through `active()`, so a disabled adapter falls through to the framework's original code.
-`disable()` unpatches everything (reversible). This module imports neither torch nor any framework.
+This module is the switch and its state; it loads no adapter. What switching does to the frameworks is the adapters'
+loader's (`kl_adapters.adapters.loader`, attached by the package's import: `attach_loader`): it patches each framework
+as it is imported, or at once if it already is, and unpatches on `disable()`. Adapters look the settings up at call
+time through `active()`, so a disabled adapter falls through to the framework's original code. This module imports
+neither torch nor any framework.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
 import importlib.metadata
-import importlib.util
 import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,20 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ENV_VAR = "KL_ADAPTERS"
 _OFF = ("", "0", "off", "none", "false")
-
-#: framework -> (adapter module, modules whose import triggers that adapter's patch)
-ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "trl": ("kl_adapters.adapters.trl", ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")),
-    # verl: the modules of kl_adapters.adapters.verl.SITES; a release lacks some (0.9.x: main_ppo_sync, 0.8.0: ppo.v1)
-    "verl": ("kl_adapters.adapters.verl", ("verl.utils.config", "verl.trainer.constants_ppo", "verl.workers.utils.losses",
-                                           "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine_workers",
-                                           "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.utils",
-                                           "verl.trainer.ppo.v1.trainer_base",
-                                           "verl.trainer.main_ppo_sync")),
-    "openrlhf": ("kl_adapters.adapters.openrlhf",
-                 ("openrlhf.trainer.ray.ppo_actor", "openrlhf.trainer.ppo_utils.experience_maker",
-                  "openrlhf.trainer.ppo_trainer")),
-}
 
 
 @dataclass(frozen=True)
@@ -135,23 +120,41 @@ def validate(settings: Settings, *, check_preset: bool = True) -> None:
     if settings.kl_target is not None:
         check_target(settings.kl_target)
     if check_preset:
-        check_is_clip(settings.is_clip, settings.spec)
+        spec = settings.spec
+        check_is_clip(settings.is_clip, spec)
         if settings.kl_target is not None:
-            check_budget_preset(settings.preset, settings.is_clip)
+            check_budget_preset(spec, settings.is_clip)
 
 
-_lock = threading.RLock()
+#: held while the state below changes and while the loader patches (one lock: the loader's patching reads the state)
+LOCK = threading.RLock()
 _settings: Settings | None = None
 #: the setting as written (e.g. "KL_ADAPTERS='sequnce'") while _settings still waits for the checks that read the
 #: preset registry: KL_ADAPTERS read before torch was imported (`activate_from_env`); None once checked
 _unchecked: str | None = None
 #: the one-line refusal of the KL_ADAPTERS this process read (`activate_from_env(defer=True)`), raised by every use
 _refused: str | None = None
-_patched: set[str] = set()
-_armed: set[str] = set()
 _announced: set[tuple[str, str, str]] = set()
-_finder: _PostImportFinder | None = None
 _log = logging.getLogger("kl_adapters")
+
+
+def _unattached(*_) -> None:
+    raise RuntimeError("kl_adapters.adapters.loader is not attached (the import of kl_adapters attaches it)")
+
+
+#: the adapters' loader (`attach_loader`)
+_switched_on: Callable[[bool], None] = _unattached
+_switched_off: Callable[[], None] = _unattached
+
+
+def attach_loader(switched_on: Callable[[bool], None], switched_off: Callable[[], None]) -> None:
+    """What switching does to the frameworks, given by the layer that knows them (kl_adapters/__init__.py attaches
+    `kl_adapters.adapters.loader`'s functions at import): `switched_on(patch)` after a setting is switched on
+    (patch=True: patch the frameworks already imported too) or a refused KL_ADAPTERS is recorded (patch=False: only
+    the import hook, which stops a framework's import with the refusal); `switched_off()` after `disable`. Both are
+    called holding LOCK."""
+    global _switched_on, _switched_off
+    _switched_on, _switched_off = switched_on, switched_off
 
 
 def active() -> Settings | None:
@@ -166,7 +169,7 @@ def check_environment() -> None:
     """SettingError when the KL_ADAPTERS this process read is refused; a value read before torch was imported gets
     the checks that read the preset registry first (so a misspelt preset is refused here, not at interpreter start)."""
     global _settings, _unchecked, _refused
-    with _lock:
+    with LOCK:
         if _unchecked is not None:
             try:
                 checked(_settings, _unchecked)
@@ -194,18 +197,13 @@ def enable(preset: str, *, is_clip: float | None = None, kl_target: float | None
 
 def disable() -> None:
     """Switch off: restore every patched framework function, forget the setting (also unsets KL_ADAPTERS, and
-    forgets its refusal) and any `arm`ed framework (its config names then stop selecting presets in this process)."""
-    global _settings, _unchecked, _refused, _finder
-    with _lock:
+    forgets its refusal) and any armed framework (`kl_adapters.adapters.loader.arm`: its config names then stop
+    selecting presets in this process)."""
+    global _settings, _unchecked, _refused
+    with LOCK:
         _settings = _unchecked = _refused = None
-        _armed.clear()
         os.environ.pop(ENV_VAR, None)
-        if _finder is not None and _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
-        _finder = None
-        for framework in sorted(_patched):
-            importlib.import_module(ADAPTERS[framework][0]).unpatch()
-        _patched.clear()
+        _switched_off()
 
 
 def activate_from_env(*, defer: bool = False) -> Settings | None:
@@ -223,9 +221,9 @@ def activate_from_env(*, defer: bool = False) -> Settings | None:
     except SettingError as err:
         if not defer:
             raise
-        with _lock:
+        with LOCK:
             _refused = str(err)
-            _install_finder()
+            _switched_on(False)
         return None
     if settings is not None:
         _activate(settings, unchecked=None if torch_loaded else f"{ENV_VAR}={value.strip()!r}")
@@ -239,7 +237,7 @@ def announce(framework: str, path: str, settings: Settings, note: str = "") -> N
     in a Ray worker at its first KL term); later calls log nothing. Pinned by
     tests/core/test_activation.py::test_announce_logs_one_line_per_process."""
     key = (framework, path, str(settings))
-    with _lock:
+    with LOCK:
         if key in _announced:
             return
         _announced.add(key)
@@ -252,115 +250,11 @@ def announce(framework: str, path: str, settings: Settings, note: str = "") -> N
     _log.warning("kl-adapters: preset %s active in %s %s (%s)", settings.preset, framework, release, "; ".join(parts))
 
 
-def arm(framework: str) -> None:
-    """Patch `framework` as its trigger modules are imported even while no setting is active.
-
-    For frameworks whose own config can name a preset (verl: ``kl_loss_type=kl_adapters:<preset>``): the adapter's
-    wrappers run the original code until a flag selects a preset. Errors while patching an armed-only framework are
-    logged, not raised, so that a user who set no flag never sees the framework break.
-    """
-    with _lock:
-        _armed.add(framework)
-        _install_finder()
-        for trigger in ADAPTERS[framework][1]:
-            if trigger in sys.modules:
-                _patch_armed(framework, trigger)
-
-
 def _activate(settings: Settings, unchecked: str | None = None) -> None:
     global _settings, _unchecked, _refused
-    with _lock:
+    with LOCK:
         _settings, _unchecked, _refused = settings, unchecked, None
-        _install_finder()
-        for framework, (_, triggers) in ADAPTERS.items():
-            for trigger in triggers:
-                if trigger in sys.modules:
-                    _patch(framework, trigger)
-
-
-def _install_finder() -> None:
-    global _finder
-    if _finder is None:
-        _finder = _PostImportFinder()
-        sys.meta_path.insert(0, _finder)
-
-
-def _patch_armed(framework: str, trigger: str) -> None:
-    try:
-        _patch(framework, trigger)
-    except SettingError:  # a refused KL_ADAPTERS is a flag the user set
-        raise
-    except Exception as exc:  # noqa: BLE001 - see arm()
-        _log.warning("kl-adapters: could not patch %s, %s runs unpatched there: %s", trigger, framework, exc)
-
-
-def _patch(framework: str, trigger: str) -> None:
-    with _lock:
-        adapter = importlib.import_module(ADAPTERS[framework][0])
-        if not hasattr(adapter, "patch"):
-            raise RuntimeError(f"{adapter.__name__} imported its own trigger module {trigger!r} while being imported; "
-                               "adapters must import trigger modules inside patch() only")
-        adapter.patch(trigger)
-        _patched.add(framework)
-
-
-def _exit_if_refused() -> None:
-    """SystemExit with the one line of a refused KL_ADAPTERS (`check_environment`), before a framework module that
-    kl-adapters patches runs: no framework's import machinery catches it (TRL's lazy modules and verl's plugin loader
-    catch Exception), so the run stops there, with that line and exit status 1."""
-    try:
-        check_environment()
-    except SettingError as err:
-        raise SystemExit(f"kl-adapters: {err}") from None
-
-
-def _framework_of(module_name: str) -> str | None:
-    for framework, (_, triggers) in ADAPTERS.items():
-        if module_name in triggers:
-            return framework
-    return None
-
-
-class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps a module's loader: run the module, then the adapter's patch for it."""
-
-    def __init__(self, loader: importlib.abc.Loader, framework: str):
-        self._loader, self._framework = loader, framework
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        _exit_if_refused()
-        self._loader.exec_module(module)
-        if _settings is not None:
-            _patch(self._framework, module.__name__)
-        elif self._framework in _armed:
-            _patch_armed(self._framework, module.__name__)
-
-    def __getattr__(self, name):  # e.g. get_source / is_package for tracebacks and pkgutil
-        return getattr(self._loader, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """sys.meta_path entry that intercepts only the trigger modules of `ADAPTERS`."""
-
-    def __init__(self) -> None:
-        self._busy: set[str] = set()
-
-    def find_spec(self, fullname, path=None, target=None):
-        framework = _framework_of(fullname)
-        if framework is None or fullname in self._busy:
-            return None
-        self._busy.add(fullname)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy.discard(fullname)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _PatchAfterExec(spec.loader, framework)
-        return spec
+        _switched_on(True)
 
 
 def with_kl_adapters_env(runtime_env: dict | None) -> dict:

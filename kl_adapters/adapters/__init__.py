@@ -4,8 +4,10 @@ wrappers hand each other values), `end_of_sequence` (EOS ids, pi(EOS) from logit
 a trainer) and `metrics` (the kl_adapters/* metric names; the grad-weight-gap formula is the core's,
 `surrogate.weight_gap`).
 
-Contract with `kl_adapters.activation`: an adapter module exposes `patch(trigger_module_name)` (idempotent, version-
-and code-path-guarded; patched functions consult `activation.active()` at call time and fall through to the original
-code when it is None) and `unpatch()` (restores every original). An adapter module must not import its trigger modules at import time (only
-inside `patch`), since importing a trigger runs `patch`. Shared guard: `_guard.require_version`.
+Contract with `loader` (which patches each framework as it is imported, `loader.ADAPTERS`): an adapter module exposes
+`patch(trigger_module_name)` (idempotent, version- and code-path-guarded; patched functions consult
+`kl_adapters.activation.active()` at call time and fall through to the original code when it is None) and `unpatch()`
+(restores every original). An adapter module must not import its trigger modules at import time (only inside
+`patch`), since importing a trigger runs `patch`; nor the loader (the loader imports it). Shared guard:
+`_guard.require_version`.
 """

@@ -7,7 +7,7 @@ workers instead). Importing it:
   1. activates KL_ADAPTERS from the environment, as importing kl_adapters does (read again here: a driver may set it
      after importing kl_adapters); a refused value then stops the first import of a patched verl module with its one
      line (`kl_adapters.activation`), since verl's plugin loader would swallow an error raised here;
-  2. patches verl's KL modules (the "verl" triggers of `kl_adapters.activation.ADAPTERS`) when they are imported, or at
+  2. patches verl's KL modules (the "verl" triggers of `kl_adapters.adapters.loader.ADAPTERS`) when they are imported, or at
      once if they already are, so that a verl config naming ``kl_adapters:<preset>`` works without the environment
      variable. The wrappers run verl's own functions unchanged unless a flag selects a preset
      (tests/verl/test_activation.py::test_entry_point_patches_inertly).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from .. import activation
+from . import loader
 from ._guard import require_version
 
 _log = logging.getLogger("kl_adapters")
@@ -34,7 +35,7 @@ def install() -> None:
     except Exception as exc:  # noqa: BLE001 - UnsupportedFrameworkError, or verl metadata missing
         _log.warning("kl-adapters: verl adapter inactive: %s", exc)
         return
-    activation.arm("verl")
+    loader.arm("verl")
 
 
 install()

@@ -1,5 +1,6 @@
-"""The framework-agnostic activation machinery: enable/disable, KL_ADAPTERS, lazy and reversible patching, the
-activation table on `parse` and through the .pth hook, the activation log line."""
+"""The framework-agnostic activation machinery: enable/disable, KL_ADAPTERS, lazy and reversible patching (the switch,
+`kl_adapters.activation`, acting through the adapters' loader, `kl_adapters.adapters.loader`, on stand-in adapters),
+the activation table on `parse` and through the .pth hook, the activation log line."""
 
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import pytest
 
 from kl_adapters import activation
 from kl_adapters.activation import Settings, SettingError, parse
+from kl_adapters.adapters import loader
 
 # tests/activation_table.py, loaded by path: tests/ on sys.path would make tests/trl etc. importable as namespace
 # packages named like the frameworks this environment does not have
@@ -51,10 +53,10 @@ def write_fake_framework(folder: Path) -> None:
 
 @pytest.fixture()
 def fake_framework(tmp_path, monkeypatch):
-    """`write_fake_framework`'s framework on sys.path, its trigger registered."""
+    """`write_fake_framework`'s framework on sys.path, its trigger registered with the loader."""
     write_fake_framework(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(activation.ADAPTERS, "fakefw", ("fake_adapter", ("fakefw.losses",)))
+    monkeypatch.setitem(loader.ADAPTERS, "fakefw", ("fake_adapter", ("fakefw.losses",)))
     monkeypatch.delenv(activation.ENV_VAR, raising=False)
     yield
     activation.disable()
@@ -89,7 +91,7 @@ def test_disable_restores_everything(fake_framework):
     activation.disable()
     assert fakefw.losses.kl() == "original"
     assert activation.active() is None and activation.ENV_VAR not in os.environ
-    assert not any(isinstance(f, activation._PostImportFinder) for f in sys.meta_path)
+    assert not any(isinstance(f, loader._PostImportFinder) for f in sys.meta_path)
 
 
 def test_env_preset_is_checked_before_a_framework_module_runs(fake_framework, monkeypatch):
@@ -146,7 +148,8 @@ def test_table_on_parse(value, refused):
 PTH_PROBE = textwrap.dedent("""
     import json, sys
     from kl_adapters import activation
-    activation.ADAPTERS["fakefw"] = ("fake_adapter", ("fakefw.losses",))  # a stand-in framework's trigger
+    from kl_adapters.adapters import loader
+    loader.ADAPTERS["fakefw"] = ("fake_adapter", ("fakefw.losses",))  # a stand-in framework's trigger
     import fakefw.losses  # a refused KL_ADAPTERS stops the run here
     print("TRAINED" + json.dumps({"active": str(activation.active()), "patched": fakefw.losses.kl()}))
 """)
@@ -208,12 +211,14 @@ def test_ray_runtime_env_carries_the_setting(fake_framework):
 
 
 def test_pth_hook_activates_at_startup_without_importing_torch(tmp_path):
-    """The installed kl_adapters_autoload.pth line: KL_ADAPTERS set -> active at interpreter start, torch untouched."""
+    """The installed kl_adapters_autoload.pth line: KL_ADAPTERS set -> active at interpreter start, torch untouched,
+    and no adapter loaded (the loader imports one only when its framework is imported)."""
     code = ("import sys, kl_adapters.activation as a; "
-            "print('torch' in sys.modules, a.active(), any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))")
+            "print('torch' in sys.modules, a.active(), any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path), "
+            "sorted(m for m in sys.modules if m.startswith('kl_adapters.adapters.')))")
     env = {**os.environ, "KL_ADAPTERS": "sequence:is_clip=2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "sequence:is_clip=2.0", "True"]
+    assert out.stdout.split() == ["False", "sequence:is_clip=2.0", "True", "['kl_adapters.adapters.loader']"]
     env.pop("KL_ADAPTERS")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "None", "False"]
+    assert out.stdout.split() == ["False", "None", "False", "['kl_adapters.adapters.loader']"]

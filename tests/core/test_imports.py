@@ -4,19 +4,17 @@ The graph is read from the checkout's source with `ast` (nothing is imported): e
 counts, at module level and inside functions alike (a lazy import still ties the two modules together), in
 `if TYPE_CHECKING:` blocks too (a type-only import ties them as well), and so does
 `importlib.import_module("<literal>")`; a module that calls `import_module` with a computed name imports every package
-module it names by its dotted name in a string literal (activation's `ADAPTERS` table). An edge goes to the module
-named (`from .x import f` -> `x`; `from . import x` -> the submodule `x` when there is one).
+module it names by its dotted name in a string literal (the adapters' loader's `ADAPTERS` table). An edge goes to the
+module named (`from .x import f` -> `x`; `from . import x` -> the submodule `x` when there is one). Every edge counts:
+the checks below read the whole graph, with no exemption.
 
-The layers, lowest first: the core (`kl_adapters` and its top-level modules), `adapters`, then `doctor` and `demo`
-(side by side: neither imports the other), `measure` (reads configurations with the doctor), `demo.task`, and `cli`
-on top. A module imports only from its own layer
-and those below. The demo's drivers (`demo.run`, `demo.long_horizon_run`, `demo.task.driver`) are entry points:
-nothing in the package but `cli` imports them, and what they share lives in `demo.output`.
-
-One kind of edge runs up on purpose: activation loads each framework's adapter by name when that framework's module is
-imported (`PLUGIN_LOADS`), at run time, never while a module is being imported; the adapters import activation for the
-settings. The layer and cycle checks read the graph without those loads, and `test_plugin_loads_are_the_only_way_up`
-pins that they are visible and that nothing else in the core imports an adapter.
+The layers, lowest first: the core (the package's top-level modules: `activation`, the switch and its state, among
+them), `adapters` (with `adapters.loader`, which loads the three framework adapters by name when a framework is
+imported), then `doctor` and `demo` (side by side: neither imports the other), `measure` (reads configurations with
+the doctor), `demo.task`, and `cli`; the package itself (`kl_adapters/__init__.py`, the facade) is the top: it alone
+imports both the switch and the loader, attaching the one to the other, and no module imports it. A module imports
+only from its own layer and those below. The demo's drivers (`demo.run`, `demo.long_horizon_run`, `demo.task.driver`)
+are entry points: nothing in the package but `cli` imports them, and what they share lives in `demo.output`.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "kl_adapters"
 #: layer -> the layers its modules may import from
 MAY_IMPORT = {
+    "facade": {"core", "adapters"},
     "core": {"core"},
     "adapters": {"core", "adapters"},
     "doctor": {"core", "adapters", "doctor"},
@@ -39,9 +38,6 @@ MAY_IMPORT = {
 }
 #: entry points: imported by `cli` only
 DRIVERS = {"kl_adapters.demo.run", "kl_adapters.demo.long_horizon_run", "kl_adapters.demo.task.driver"}
-#: activation's loads of the adapters (`importlib.import_module(ADAPTERS[framework][0])` in `_patch` and `disable`)
-PLUGIN_LOADS = {("kl_adapters.activation", f"kl_adapters.adapters.{framework}")
-                for framework in ("trl", "verl", "openrlhf")}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -154,6 +150,8 @@ def _path(component: list[str], edges) -> list[str]:
 
 def layer(module: str) -> str:
     rest = module.split(".")[1:]
+    if not rest:
+        return "facade"
     if rest[:1] == ["cli"]:
         return "cli"
     if rest[:2] == ["demo", "task"]:
@@ -163,12 +161,8 @@ def layer(module: str) -> str:
     return "core"
 
 
-def without_plugin_loads(edges: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {a: {b: line for b, line in targets.items() if (a, b) not in PLUGIN_LOADS} for a, targets in edges.items()}
-
-
 def test_no_import_cycle():
-    edges = without_plugin_loads(graph())
+    edges = graph()
     found = cycles(edges)
     assert not found, "import cycles (each a closed path; the line of each import):\n" + "\n".join(
         " -> ".join(f"{a} (line {edges[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
@@ -177,22 +171,9 @@ def test_no_import_cycle():
 
 def test_no_import_runs_back_up():
     wrong = [f"{a} ({layer(a)}) imports {b} ({layer(b)}), line {line}"
-             for a, targets in without_plugin_loads(graph()).items() for b, line in targets.items()
+             for a, targets in graph().items() for b, line in targets.items()
              if layer(b) not in MAY_IMPORT[layer(a)]]
     assert not wrong, wrong
-
-
-def test_plugin_loads_are_the_only_way_up():
-    """activation's loads of the adapters are in the graph (read from its ADAPTERS table), they are the only edges from
-    the core into the adapters, and they run only when called: importing activation imports no adapter."""
-    edges = graph()
-    assert PLUGIN_LOADS <= {(a, b) for a, targets in edges.items() for b in targets}
-    up = {(a, b) for a, targets in edges.items() for b in targets if layer(a) == "core" and layer(b) != "core"}
-    assert up == PLUGIN_LOADS, up - PLUGIN_LOADS
-    tree = ast.parse((ROOT / PACKAGE / "activation.py").read_text())
-    top_level_calls = [n for statement in tree.body if not isinstance(statement, (ast.FunctionDef, ast.ClassDef))
-                       for n in ast.walk(statement) if isinstance(n, ast.Call) and _calls_import_module(n)]
-    assert not top_level_calls
 
 
 def test_only_the_cli_imports_a_driver():
@@ -211,9 +192,12 @@ def test_the_graph_itself(tmp_path: Path):
     assert "kl_adapters.demo.output" in edges["kl_adapters.demo.run"]
     assert "kl_adapters.demo.long_horizon_run" in edges["kl_adapters.cli"]
     assert "kl_adapters.demo.report" in edges["kl_adapters.demo.run"]
-    assert "kl_adapters.activation" in edges["kl_adapters"]
+    # the facade attaches the loader to the switch; the loader's loads of the three adapters (computed names, read
+    # from its ADAPTERS table) are edges like any other, and the switch imports no adapter
+    assert {"kl_adapters.activation", "kl_adapters.adapters.loader"} <= set(edges["kl_adapters"])
     assert {"kl_adapters.adapters.trl", "kl_adapters.adapters.verl", "kl_adapters.adapters.openrlhf"} <= set(
-        edges["kl_adapters.activation"])
+        edges["kl_adapters.adapters.loader"])
+    assert not [b for b in edges["kl_adapters.activation"] if layer(b) != "core"]
     assert "kl_adapters.reductions" in edges["kl_adapters.options"]  # options.py's one import is type-only
     # the demo's former circle (completions <-> harness: type-only one way, lazy the other) is gone
     assert "kl_adapters.demo.harness" not in edges["kl_adapters.demo.completions"]

@@ -16,7 +16,7 @@ Usage (scripts/compat.sh calls it so):
                runs as if kl-adapters were not installed; a plugin fails the run if `kl_adapters` was imported.
                (Cheaper than a second venv and the same thing: without KL_ADAPTERS no kl-adapters code is loaded.)
      flag off  the adapter's wrappers installed as the trigger modules are imported (a plugin calls
-               kl_adapters.activation.arm("openrlhf")), no preset selected: the wrappers call OpenRLHF's originals.
+               kl_adapters.adapters.loader.arm("openrlhf")), no preset selected: the wrappers call OpenRLHF's originals.
      flag on   KL_ADAPTERS=sequence (the .pth hook patches OpenRLHF's modules as they are imported).
    The tests that pass `without` are the ones that run offline on CPU; each must have the same outcome in the other
    two runs. The rest (they need a GPU, the hub, or a package this CPU environment lacks) are counted, not compared.
@@ -47,8 +47,8 @@ _PATCHED_LOG = "kl_adapters_patched.txt"
 PLUGINS = {
     "kl_adapters_absent": "import sys\n\n\ndef pytest_sessionfinish(session):\n"
                           "    assert 'kl_adapters' not in sys.modules, 'kl_adapters was imported in the run without it'\n",
-    "kl_adapters_flag_off": "def pytest_configure(config):\n    from kl_adapters import activation\n\n"
-                            "    activation.arm('openrlhf')\n",
+    "kl_adapters_flag_off": "def pytest_configure(config):\n    from kl_adapters.adapters import loader\n\n"
+                            "    loader.arm('openrlhf')\n",
     "kl_adapters_record": "import sys\n\n\ndef pytest_sessionfinish(session):\n"
                           "    adapter = sys.modules.get('kl_adapters.adapters.openrlhf')\n"
                           f"    with open({_PATCHED_LOG!r}, 'w') as f:\n"

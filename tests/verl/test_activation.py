@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kl_adapters import activation
-from kl_adapters.adapters import _guard, verl_plugin
+from kl_adapters.adapters import _guard, loader, verl_plugin
 from kl_adapters.adapters import verl as verl_adapter
 from kl_adapters.adapters._guard import UnsupportedFrameworkError
 from kl_adapters.adapters.versions import supported_range
@@ -68,7 +68,7 @@ def probes(tmp_path_factory) -> dict:
 
 
 def test_triggers_are_the_patched_modules():
-    assert set(activation.ADAPTERS["verl"][1]) == set(verl_adapter.SITES)
+    assert set(loader.ADAPTERS["verl"][1]) == set(verl_adapter.SITES)
 
 
 def test_entry_point_is_registered_for_verl():
@@ -125,14 +125,14 @@ def test_untested_verl_version_is_refused(verl_version, monkeypatch):
 def test_plugin_leaves_an_untested_verl_unpatched_with_a_warning(verl_version, caplog, monkeypatch):
     monkeypatch.delenv(_guard.ALLOW_UNTESTED_ENV, raising=False)  # scripts/compat.sh sets it for the whole suite
     verl_version("0.10.0")
-    armed = set(activation._armed)
-    activation._armed.clear()
+    armed = set(loader._armed)
+    loader._armed.clear()
     try:
         verl_plugin.install()
-        assert "verl" not in activation._armed  # nothing will patch verl as it is imported
+        assert "verl" not in loader._armed  # nothing will patch verl as it is imported
         assert "verl adapter inactive" in caplog.text and "verl==0.10.0" in caplog.text
     finally:
-        activation._armed |= armed
+        loader._armed |= armed
         monkeypatch.undo()  # before the autouse fixture re-patches
 
 

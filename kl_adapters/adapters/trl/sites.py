@@ -39,7 +39,7 @@ def patch(trigger: str) -> None:
 
     Refuses trl versions outside versions.TESTED, methods whose signature is not the tested one
     (`patching.install`), and a refused KL_ADAPTERS (`activation.check_environment`). `trigger` is the TRL module just
-    imported (see activation.ADAPTERS); GRPOTrainer is patched whichever it is, RLOOTrainer once its module is loaded.
+    imported (see loader.ADAPTERS); GRPOTrainer is patched whichever it is, RLOOTrainer once its module is loaded.
     """
     activation.check_environment()
     version = require_version("trl")

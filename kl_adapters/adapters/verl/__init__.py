@@ -66,8 +66,8 @@ __all__ = ["ADVANTAGES_ENV", "BETA_KEY", "BUDGET_FILE", "EOS_PROB", "IS_EOS", "L
            "unpatch"]
 
 #: trigger module -> functions patched when it is imported (the same module names are the "verl" triggers of
-#: kl_adapters.activation.ADAPTERS). `everywhere` never for kl_penalty and get_policy_loss_fn: losses' copies are the
-#: only ones ppo_loss uses; core_algos' serve other paths
+#: kl_adapters.adapters.loader.ADAPTERS). `everywhere` never for kl_penalty and get_policy_loss_fn: losses' copies are
+#: the only ones ppo_loss uses; core_algos' serve other paths
 SITES: dict[str, tuple[Site, ...]] = {
     "verl.utils.config": (Site("validate_config", ("config", "use_reference_policy", "use_critic"), _validate_first,
                                 everywhere=True),),
@@ -135,7 +135,7 @@ def patch(trigger: str) -> None:
     does not load ``verl.plugins`` entry points yet (0.9.0 added that), so there only KL_ADAPTERS or
     ``actor_rollout_ref.model.external_lib=kl_adapters.adapters.verl_plugin`` bring the adapter into the workers (a
     ``kl_adapters:`` name alone reaches verl's own kl_penalty, which raises NotImplementedError). main_ppo_sync is one
-    of activation.ADAPTERS' triggers, but 0.8.0 stays off the tested list: its usual launch, ``python -m
+    of loader.ADAPTERS' triggers, but 0.8.0 stays off the tested list: its usual launch, ``python -m
     verl.trainer.main_ppo_sync``, runs that module as __main__ (never imported under its name, so never patched, in
     the driver or in the TaskRunner Ray ships from it), and its unpatched compute_advantage_for_multi_trajectories
     would then overwrite the KL reward-to-go of GRPO's reward path."""

@@ -43,6 +43,10 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .presets import Preset
 
 #: update rule -> its default gains (see the module docstring)
 RULES: dict[str, dict[str, float]] = {"pi": {"k_i": 0.02, "k_p": 0.5}, "dual": {"k_i": 0.02}, "ziegler": {"k": 0.1}}
@@ -61,18 +65,19 @@ def check_target(target: object, name: str = "kl_target") -> float:
     return float(target)
 
 
-def check_budget_preset(preset: str, is_clip: float | None, *, off_policy: bool = False, name: str = "kl_target"
-                        ) -> None:
+def check_budget_preset(preset: str | Preset, is_clip: float | None, *, off_policy: bool = False,
+                        name: str = "kl_target") -> None:
     """A budget needs a preset whose gradient is that of the sequence KL it budgets (unbiased for grad KL_seq; off-policy
-    too when the trainer's batches are off-policy) and an unbiased KL estimate (no is_clip). ValueError otherwise."""
+    too when the trainer's batches are off-policy) and an unbiased KL estimate (no is_clip). ValueError otherwise.
+    preset: the resolved `Preset` (`Settings.spec`, what activation and the adapters pass), or its name."""
     from .presets import RECOMMENDED, get_preset
 
     spec = get_preset(preset)
     if not spec.unbiased_on_policy:
-        raise ValueError(f"{name} budgets the sequence KL, but preset {preset!r} does not follow its gradient: beta "
+        raise ValueError(f"{name} budgets the sequence KL, but preset {spec.name!r} does not follow its gradient: beta "
                          f"would weigh another objective. Use one of {', '.join(RECOMMENDED)}")
     if off_policy and not spec.unbiased_off_policy:
-        raise ValueError(f"{name} budgets the sequence KL, but preset {preset!r} does not follow its gradient "
+        raise ValueError(f"{name} budgets the sequence KL, but preset {spec.name!r} does not follow its gradient "
                          "off-policy, as this trainer's batches are: use 'sequence' (unbiased on- and off-policy)")
     if is_clip is not None:
         raise ValueError(f"{name} with is_clip={is_clip}: capped importance weights make the KL estimate the budget "

@@ -270,7 +270,7 @@ def _loss_path(report: Report, args, coef: float, settings) -> None:
         report.add("zero-coefficient", "no-op", "--algo.kl.use_loss with --algo.kl.init_coef 0: OpenRLHF computes no "
                    "KL and builds no reference model")
     if settings is not None:
-        report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
+        report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.spec, f"{FLAG} {settings}",
                                                                          "openrlhf")))
         note_budget(report, settings, f"--algo.kl.init_coef {coef:g}", "rollout", "--algo.kl.seq_target")
         return
@@ -286,7 +286,7 @@ def _reward_path(report: Report, args, coef: float, settings) -> None:
     kl, adv = args.algo.kl, args.algo.advantage
     setting = f"estimator {kl.estimator} in the reward, init_coef {coef:g}, advantage {adv.estimator}"
     if settings is not None:
-        report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.preset, f"{FLAG} {settings}",
+        report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.spec, f"{FLAG} {settings}",
                                                                            "openrlhf")))
         note_budget(report, settings, f"--algo.kl.init_coef {coef:g}", "rollout", "--algo.kl.seq_target")
         return

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from ..activation import SettingError
 from ..adapters.versions import TESTED, supported_range
 from ..native import NativeKL
-from ..presets import SAMPLED_TOKEN_PRESETS, get_preset
+from ..presets import SAMPLED_TOKEN_PRESETS, Preset, get_preset
 
 ON, OFF = "on-policy", "off-policy"
 AUDIT_ARGS = (4, 4, 0)
@@ -291,10 +291,11 @@ SCHEMA = {
 }
 
 
-def adapter_native(preset: str, flag: str, adapter: str) -> NativeKL:
-    """The NativeKL of a path kl-adapters replaces: its gradient is the preset's by construction (adapter tests)."""
-    return NativeKL(preset, f"{flag}: kl-adapters replaces the framework's KL term with preset {preset!r} "
-                            f"({get_preset(preset).gradient})", f"kl_adapters/adapters/{adapter}/")
+def adapter_native(spec: Preset, flag: str, adapter: str) -> NativeKL:
+    """The NativeKL of a path kl-adapters replaces with preset `spec` (the flag's `Settings.spec`): its gradient is the
+    preset's by construction (adapter tests)."""
+    return NativeKL(spec.name, f"{flag}: kl-adapters replaces the framework's KL term with preset {spec.name!r} "
+                               f"({spec.gradient})", f"kl_adapters/adapters/{adapter}/")
 
 
 def note_budget(report: Report, settings, beta: str, cadence: str, flag: str) -> None:

@@ -188,7 +188,7 @@ def _grpo(report: Report, config) -> None:
                f"{config.use_bias_correction_kl}, importance_sampling_level={config.importance_sampling_level}")
     if settings is not None:
         report.paths.append(KLPath("loss", f"kl_preset={settings}, beta={config.beta:g}", config.beta,
-                                   adapter_native(settings.preset, f"kl_preset={settings}", "trl")))
+                                   adapter_native(settings.spec, f"kl_preset={settings}", "trl")))
         note_budget(report, settings, f"beta={config.beta:g}", "optimizer step", "--kl_target")
         if config.use_liger_kernel:
             report.add("refused", "refused", "kl-adapters refuses use_liger_kernel=True (untested) at the first step")

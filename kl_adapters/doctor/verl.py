@@ -256,7 +256,7 @@ def _loss_path(report: Report, config, loss_type: str, agg: str, default) -> Non
     setting = f"kl_loss_type={loss_type}, kl_loss_coef={coef}, loss_agg_mode={agg}"
     settings = flag_settings(loss_type, default)
     if settings is not None:
-        report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.preset, f"{loss_type}", "verl")))
+        report.paths.append(KLPath("loss", setting, coef, adapter_native(settings.spec, f"{loss_type}", "verl")))
         note_budget(report, settings, f"kl_loss_coef={coef}", "rollout", f"{_ACTOR}.kl_loss_type=kl_adapters:"
                     f"{settings.preset}:kl_target")
     else:
@@ -292,7 +292,7 @@ def _reward_path(report: Report, config, agg: str, default) -> None:
                        target, None if length is None else int(length), f"{_ALGO}.kl_penalty='kl_adapters:reward:"
                        "kl_target=<that>' (with kl_ctrl.type=fixed)")))
     if settings is not None:
-        report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.preset, penalty, "verl")))
+        report.paths.append(KLPath("reward", setting, coef, adapter_native(settings.spec, penalty, "verl")))
         note_budget(report, settings, f"kl_ctrl.kl_coef={coef}", "rollout",
                     f"{_ALGO}.kl_penalty=kl_adapters:{settings.preset}:kl_target")
         return

@@ -106,7 +106,7 @@ def _check_budget(args: Any, settings: Settings, flag: str) -> None:
                          "controller targets a per-token KL): drop --algo.kl.target")
     samples = args.rollout.batch_size * args.rollout.n_samples_per_prompt
     off_policy = kl.use_loss and (args.train.max_epochs > 1 or args.train.batch_size < samples)
-    check_budget_preset(settings.preset, settings.is_clip, off_policy=off_policy, name=f"{flag}: kl_target")
+    check_budget_preset(settings.spec, settings.is_clip, off_policy=off_policy, name=f"{flag}: kl_target")
 
 
 def _settings(args: Any) -> Settings | None:

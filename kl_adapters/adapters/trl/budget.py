@@ -49,7 +49,7 @@ def check_budget(args: GRPOConfig) -> None:
         raise activation.SettingError(f"kl_target with beta=0.0: pass GRPOTrainer a GRPOConfig (its beta 0 then "
                                       f"starts the budget at {BUDGET_START_BETA}), or set beta > 0")
     try:
-        check_budget_preset(settings.preset, settings.is_clip, off_policy=_off_policy(args))
+        check_budget_preset(settings.spec, settings.is_clip, off_policy=_off_policy(args))
     except ValueError as err:
         raise activation.SettingError(str(err)) from None
 

@@ -146,7 +146,7 @@ def check_budget_config(config, loss: Settings | None, reward: Settings | None) 
             raise ValueError(f"kl_target={loss.kl_target} starts from actor_rollout_ref.actor.kl_loss_coef, which is "
                              f"{actor.kl_loss_coef}: set it > 0")
         off_policy = actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < config.data.train_batch_size
-        check_budget_preset(loss.preset, loss.is_clip, off_policy=off_policy)
+        check_budget_preset(loss.spec, loss.is_clip, off_policy=off_policy)
     if reward is not None and reward.kl_target is not None:
         if algo.kl_ctrl.type != "fixed":
             raise ValueError(f"kl_target={reward.kl_target} and algorithm.kl_ctrl.type={algo.kl_ctrl.type} would both "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from ...presets import get_preset
 from ...reductions import TaskAdvantages
 from ...surrogate import kl_coefficients, sequence_kl
 from ..budget_wiring import take_step
@@ -18,7 +17,8 @@ from .loss import _group_ids
 
 #: DataProto.meta_info key: the KL beta handed from apply_kl_penalty to the advantage step
 _REWARD_BETA = "kl_adapters/reward_beta"
-#: DataProto.meta_info key: the reward-path preset ("reward" or "reward-plain"), handed along with the beta
+#: DataProto.meta_info key: the reward-path `Preset` ("reward" or "reward-plain", resolved once: `Settings.spec`),
+#: handed along with the beta
 _REWARD_PRESET = "kl_adapters/reward_preset"
 
 
@@ -41,7 +41,7 @@ def _kl_in_reward(apply_kl_penalty: Callable) -> Callable:
             kl_ctrl.value = budget.beta  # a fixed controller (check_config): the budget sets its value
         beta = float(kl_ctrl.value)  # the value verl applies in this call (it updates kl_ctrl afterwards)
         data, metrics = apply_kl_penalty(data, kl_ctrl, kl_penalty="k1")
-        data.meta_info[_REWARD_BETA], data.meta_info[_REWARD_PRESET] = beta, settings.preset
+        data.meta_info[_REWARD_BETA], data.meta_info[_REWARD_PRESET] = beta, settings.spec
         batch = data.batch
         metrics[SEQ_KL] = sequence_kl(batch["old_log_probs"], batch["ref_log_prob"],
                                                     batch["response_mask"]).mean().item()
@@ -69,10 +69,9 @@ def _advantage_then_kl(compute_advantage: Callable) -> Callable:
 
     def patched(data, *args, **kwargs):
         beta = data.meta_info.pop(_REWARD_BETA, None)
-        preset = data.meta_info.pop(_REWARD_PRESET, "reward")
+        spec = data.meta_info.pop(_REWARD_PRESET, None)  # the preset apply_kl_penalty handed along (`_kl_in_reward`)
         if beta is None:
             return compute_advantage(data, *args, **kwargs)
-        spec = get_preset(preset)  # the name apply_kl_penalty handed along (`_kl_in_reward`)
         penalized = data.batch["token_level_rewards"]
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
         data = compute_advantage(data, *args, **kwargs)

@@ -14,6 +14,8 @@ import math
 import statistics
 from collections.abc import Iterable
 
+from ..student_t import two_sided_p as student_t_p
+
 #: one run: {"horizon", "config", "seed", "history": [evaluation rows], "step_seconds": [...], ...}
 Run = dict
 
@@ -55,37 +57,6 @@ def paired_test(a: list[float], b: list[float]) -> tuple[float, float]:
         return mean, float("nan")
     t = mean / (statistics.stdev(diffs) / math.sqrt(len(diffs)))
     return mean, student_t_p(t, len(diffs) - 1)
-
-
-def student_t_p(t: float, df: int) -> float:
-    """Two-sided p-value of Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
-    return _betainc(df / 2, 0.5, df / (df + t * t))
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b), by its continued fraction (modified Lentz)."""
-    if x <= 0 or x >= 1:
-        return float(x >= 1)
-    if x > (a + 1) / (a + b + 2):
-        return 1 - _betainc(b, a, 1 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1 - x)) / a
-    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(400):
-        m = i // 2
-        if i == 0:
-            numerator = 1.0
-        elif i % 2 == 0:
-            numerator = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        else:
-            numerator = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        d = 1 + numerator * d
-        d = 1 / (d if abs(d) > tiny else tiny)
-        c = 1 + numerator / c
-        c = c if abs(c) > tiny else tiny
-        f *= c * d
-        if abs(1 - c * d) < 1e-14:
-            break
-    return front * (f - 1)
 
 
 def decisions(summary: dict[int, dict[str, dict]], baseline: str, candidates: list[str]) -> dict[int, dict]:

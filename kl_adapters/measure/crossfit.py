@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, cached_property
-from statistics import NormalDist
+from functools import cached_property
 
 import torch
 from torch import Tensor
+
+from ..student_t import quantile
 
 #: the fewest folds with a jackknife interval (K - 1 = 2 degrees of freedom, each replicate from 2 folds)
 MIN_FOLDS = 3
@@ -126,23 +127,5 @@ class CrossFit:
         if not (math.isfinite(estimate) and bool(torch.isfinite(replicates).all())):
             return Interval(estimate, math.nan, math.nan)
         se = math.sqrt((k - 1) / k * float((replicates - replicates.mean()).square().sum()))
-        half = t_quantile(0.5 + confidence / 2, k - 1) * se
+        half = quantile(0.5 + confidence / 2, k - 1) * se
         return Interval(estimate, estimate - half, estimate + half)
-
-
-@cache
-def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile (0.5 < p < 1): bisection on the distribution function, itself Simpson's rule on the
-    density over [0, x] (within 1e-6 of the table; tests/core/test_measure_statistics.py)."""
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x: float, steps: int = 2000) -> float:
-        h = x / steps
-        f = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(steps + 1)]
-        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
-
-    low, high = 0.0, NormalDist().inv_cdf(p) * 10 + 50
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
-    return (low + high) / 2

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from kl_adapters.measure.crossfit import CrossFit, t_quantile
+from kl_adapters.measure.crossfit import CrossFit
+from kl_adapters.student_t import quantile as t_quantile
 from kl_adapters.measure.gradients import GradientView, advantages
 from kl_adapters.measure.plan import Plan, PlanError, configuration, length_bins
 

@@ -11,6 +11,11 @@ same values (a refusal: one line naming the setting, its value and what is valid
     openrlhf  the launcher's --algo.kl.preset; KL_ADAPTERS through the .pth hook into train_ppo_ray's argument parsing
               (tests/openrlhf/test_activation.py)
 The verl and OpenRLHF paths use their KL loss (use_kl_loss / --algo.kl.use_loss), where every preset but `full` runs.
+
+KL_ADAPTERS is read at interpreter start, so its path is also run in fresh interpreters: every value in the core
+suite (a stand-in framework: no torch to import, fast); in the framework suites, which import the real framework in
+each (seconds apiece), one value of each outcome a fresh interpreter can have (`FRESH`), every value running in the
+suite's own process through the same `activation.activate_from_env(defer=True)` the .pth hook makes.
 """
 
 from __future__ import annotations
@@ -51,14 +56,25 @@ TABLE = (
 )
 
 
+#: outcome -> one value that has it in a fresh interpreter with KL_ADAPTERS set
+FRESH = {
+    "accepted": "sequence:is_clip=2",  # patched at the framework's import, the activation line naming its option
+    "refused at start": "sequence:foo=1",  # refused without torch by the .pth hook, raised at the framework's import
+    "refused at import": "sequnce",  # kept unchecked at start (no torch), refused by the preset registry's checks
+    "refused by the framework": "full",  # accepted by kl-adapters, refused by an adapter that cannot run it
+}
+
+
 def expected(row: Row, framework: str | None = None) -> str | None:
     """The refusal fragment of `row` in `framework` (None: accepted)."""
     return (row.framework_refusal or {}).get(framework, row.refused)
 
 
-def cases(framework: str | None = None) -> list:
-    """pytest parameters (value, refusal fragment or None), one per row, with the value as id."""
-    return [pytest.param(row.value, expected(row, framework), id=row.value) for row in TABLE]
+def cases(framework: str | None = None, values: tuple[str, ...] | None = None) -> list:
+    """pytest parameters (value, refusal fragment or None), one per row (of `values` only, when given), with the value
+    as id."""
+    return [pytest.param(row.value, expected(row, framework), id=row.value) for row in TABLE
+            if values is None or row.value in values]
 
 
 def check_refusal(message: str, fragment: str, setting: str) -> None:
@@ -67,11 +83,13 @@ def check_refusal(message: str, fragment: str, setting: str) -> None:
     assert setting in message and fragment in message, message
 
 
-def run_each(command: list[str], cwd: Path, at_once: int = 4) -> dict[str, tuple[int, str, str]]:
-    """value -> (exit status, stdout, stderr) of `command` in a fresh interpreter per table value, with KL_ADAPTERS
-    set to it (the installed kl_adapters_autoload.pth line reads it at interpreter start); `at_once` at a time."""
+def run_each(command: list[str], cwd: Path, values: tuple[str, ...] | None = None,
+             at_once: int = 4) -> dict[str, tuple[int, str, str]]:
+    """value -> (exit status, stdout, stderr) of `command` in a fresh interpreter per table value (of `values` only,
+    when given), with KL_ADAPTERS set to it (the installed kl_adapters_autoload.pth line reads it at interpreter
+    start); `at_once` at a time."""
     base = {k: v for k, v in os.environ.items() if k != "KL_ADAPTERS"}
-    values, results = [row.value for row in TABLE], {}
+    values, results = [row.value for row in TABLE if values is None or row.value in values], {}
     for start in range(0, len(values), at_once):
         running = {value: subprocess.Popen(command, cwd=cwd, env={**base, "KL_ADAPTERS": value}, text=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -1,12 +1,14 @@
 """Every way to switch kl-adapters on in OpenRLHF accepts and refuses the same values (tests/activation_table.py):
 the launcher's --algo.kl.preset, and KL_ADAPTERS with OpenRLHF's own train_ppo_ray (its real argument parsing,
-stopped before Ray starts); a refused KL_ADAPTERS stops OpenRLHF's import (exit 1, one line); the flags OpenRLHF
-renamed get their new names; one activation line per process."""
+stopped before Ray starts; every value in this process as the .pth hook reads it, one value of each outcome in a
+fresh interpreter); a refused KL_ADAPTERS stops OpenRLHF's import (exit 1, one line); the flags OpenRLHF renamed get
+their new names; one activation line per process."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import runpy
 import sys
 from pathlib import Path
@@ -15,12 +17,17 @@ import pytest
 
 from kl_adapters import activation
 from kl_adapters.activation import SettingError
+from kl_adapters.adapters import loader
 from kl_adapters.adapters.openrlhf.flags import FLAG
 from kl_adapters.adapters.openrlhf.renamed import RENAMED
 from openrlhf_harness import base_argv, cli_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from activation_table import cases, check_refusal, run_each  # noqa: E402
+from activation_table import FRESH, cases, check_refusal, run_each  # noqa: E402
+
+#: the outcomes a fresh interpreter can have in OpenRLHF (a refusal at interpreter start ends like one at the import:
+#: the value is refused before any framework module runs, tests/core/test_activation.py's table)
+FRESH_OPENRLHF = tuple(value for outcome, value in FRESH.items() if outcome != "refused at start")
 
 
 def _setting(value: str, refused: str, source: str) -> str:
@@ -43,31 +50,66 @@ def test_table_on_the_launcher_flag(actor_dir, value, refused, capsys, caplog, m
     check_refusal(message, refused, _setting(value, refused, FLAG))
 
 
+def activation_line(value: str) -> str:
+    """The one line OpenRLHF's argument parsing logs when KL_ADAPTERS=`value` applies (its KL loss)."""
+    settings = activation.parse(value)
+    options = "".join(f"; {key} {getattr(settings, key):g}" for key in activation.OPTIONS
+                      if getattr(settings, key) is not None)
+    return (f"kl-adapters: preset {settings.preset} active in openrlhf {importlib.metadata.version('openrlhf')} "
+            f"(KL path: loss{options})")
+
+
+@pytest.mark.parametrize(("value", "refused"), cases("openrlhf"))
+def test_table_on_kl_adapters_in_process(actor_dir, value, refused, monkeypatch, caplog):
+    """KL_ADAPTERS read as the .pth hook reads it (`activate_from_env(defer=True)`), in this process, then OpenRLHF's
+    own train_ppo_ray parsing its arguments: accepted values become args.algo.kl.preset (one activation line); values
+    kl-adapters refuses raise their one line on every use, and the import hook would stop OpenRLHF's import with it;
+    a preset OpenRLHF cannot run is refused at the argument parsing."""
+    monkeypatch.setenv(activation.ENV_VAR, value)
+    monkeypatch.setattr(activation, "_announced", set())
+    caplog.set_level(logging.WARNING, logger="kl_adapters")
+    activation.activate_from_env(defer=True)
+    try:
+        if refused is None:
+            assert cli_args(base_argv(actor_dir)).algo.kl.preset == str(activation.parse(value))
+            assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kl-adapters: preset")] == [
+                activation_line(value)]
+        elif "full next-token" in refused:
+            with pytest.raises(ValueError) as error:
+                cli_args(base_argv(actor_dir))
+            check_refusal(str(error.value), refused, _setting(value, refused, activation.ENV_VAR))
+        else:
+            with pytest.raises(SettingError) as error:
+                activation.active()
+            check_refusal(str(error.value), refused, f"KL_ADAPTERS={value!r}")
+            with pytest.raises(SystemExit, match=f"^kl-adapters: KL_ADAPTERS={value!r}"):
+                loader._exit_if_refused()
+    finally:
+        activation.disable()
+
+
 PROBE = ("from openrlhf_harness import base_argv, cli_args; import sys; "
          "print('PARSED', cli_args(base_argv(sys.argv[1])).algo.kl.preset)")
 
 
 @pytest.fixture(scope="module")
 def environment_runs(actor_dir, tmp_path_factory) -> dict:
-    """A fresh interpreter per table value with KL_ADAPTERS set (the .pth hook reads it at start), running OpenRLHF's
-    own train_ppo_ray to the end of its argument parsing (`cli_args`); four at a time (seconds apiece)."""
-    return run_each([sys.executable, "-c", PROBE, actor_dir], tmp_path_factory.mktemp("env"))
+    """A fresh interpreter per outcome (`FRESH_OPENRLHF`) with KL_ADAPTERS set (the .pth hook reads it at start),
+    running OpenRLHF's own train_ppo_ray to the end of its argument parsing (`cli_args`), all at once."""
+    return run_each([sys.executable, "-c", PROBE, actor_dir], tmp_path_factory.mktemp("env"), FRESH_OPENRLHF,
+                    at_once=len(FRESH_OPENRLHF))
 
 
-@pytest.mark.parametrize(("value", "refused"), cases("openrlhf"))
+@pytest.mark.parametrize(("value", "refused"), cases("openrlhf", FRESH_OPENRLHF))
 def test_table_on_kl_adapters(environment_runs, value, refused):
     """KL_ADAPTERS with OpenRLHF's own train_ppo_ray: accepted values become args.algo.kl.preset (one activation
     line); refused ones stop the run with one line, exit 1 -- at the import of OpenRLHF's trainer (values
     kl-adapters refuses everywhere) or at its argument parsing (a preset OpenRLHF cannot run)."""
     returncode, out, err = environment_runs[value]
     if refused is None:
-        settings = activation.parse(value)
-        options = "".join(f"; {key} {getattr(settings, key):g}" for key in activation.OPTIONS
-                          if getattr(settings, key) is not None)
-        assert returncode == 0 and f"PARSED {settings}" in out, err[-3000:]
+        assert returncode == 0 and f"PARSED {activation.parse(value)}" in out, err[-3000:]
         assert [line for line in err.splitlines() if line.startswith("kl-adapters: preset")] == [
-            f"kl-adapters: preset {settings.preset} active in openrlhf {importlib.metadata.version('openrlhf')} "
-            f"(KL path: loss{options})"]
+            activation_line(value)]
         return
     assert returncode == 1 and "PARSED" not in out, (out, err[-3000:])
     check_refusal(err.strip().splitlines()[-1], refused, _setting(value, refused, activation.ENV_VAR))

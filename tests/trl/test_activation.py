@@ -1,7 +1,8 @@
 """Every way to switch kl-adapters on in TRL accepts and refuses the same values (tests/activation_table.py):
-KLGRPOConfig(kl_preset=...), TrlParser's --kl_preset, and KL_ADAPTERS through the installed .pth hook into a real
-GRPOTrainer; a refused KL_ADAPTERS stops the script at `from trl import GRPOTrainer` (exit 1, one line), never
-training with TRL's own KL; one activation line per process."""
+KLGRPOConfig(kl_preset=...), TrlParser's --kl_preset, and KL_ADAPTERS into a real GRPOTrainer (every value in this
+process as the .pth hook reads it; one value of each outcome through the installed .pth hook in a fresh interpreter);
+a refused KL_ADAPTERS stops the script at `from trl import GRPOTrainer` (exit 1, one line), never training with TRL's
+own KL; one activation line per process."""
 
 import logging
 import sys
@@ -14,10 +15,14 @@ from conftest import grpo_args, make_trainer
 
 from kl_adapters import activation
 from kl_adapters.activation import SettingError
+from kl_adapters.adapters import loader
 from kl_adapters.adapters import trl as adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from activation_table import cases, check_refusal, run_each  # noqa: E402
+from activation_table import FRESH, cases, check_refusal, run_each  # noqa: E402
+
+#: the outcomes a fresh interpreter can have in TRL (every preset runs in TRL: none is refused by the framework)
+FRESH_TRL = tuple(value for outcome, value in FRESH.items() if outcome != "refused by the framework")
 
 
 @pytest.mark.parametrize(("value", "refused"), cases("trl"))
@@ -63,16 +68,51 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def environment_runs(model_dir, tmp_path_factory) -> dict:
-    """A fresh interpreter per table value with KL_ADAPTERS set, importing TRL and building a GRPOTrainer; four at a
-    time (each imports TRL: seconds apiece)."""
-    tmp = tmp_path_factory.mktemp("env")
-    (tmp / "train.py").write_text(SCRIPT)
-    return run_each([sys.executable, "train.py", model_dir], tmp)  # HF_HUB_OFFLINE: conftest
+def activation_line(value: str) -> str:
+    """The one line a GRPOTrainer (beta 0.1) logs when KL_ADAPTERS=`value` applies."""
+    settings = activation.parse(value)
+    return (f"kl-adapters: preset {settings.preset} active in trl 1.16.0 (KL path: loss"
+            + "".join(f"; {key} {getattr(settings, key):g}" for key in activation.OPTIONS
+                      if getattr(settings, key) is not None) + "; beta 0.1)")
 
 
 @pytest.mark.parametrize(("value", "refused"), cases("trl"))
+def test_table_on_kl_adapters(value, refused, model_dir, dataset, monkeypatch, caplog):
+    """KL_ADAPTERS read as the .pth hook reads it (`activate_from_env(defer=True)`), in this process: accepted, a
+    GRPOTrainer is built with the preset active and logs one activation line; refused, every use raises the one line
+    naming KL_ADAPTERS, and the import hook would stop TRL's import with it (SystemExit)."""
+    from trl import GRPOConfig
+
+    monkeypatch.setenv(activation.ENV_VAR, value)
+    monkeypatch.setattr(activation, "_announced", set())
+    caplog.set_level(logging.WARNING, logger="kl_adapters")
+    activation.activate_from_env(defer=True)
+    try:
+        if refused is None:
+            make_trainer(model_dir, dataset, args=grpo_args(GRPOConfig, max_completion_length=6, max_steps=1))
+            assert activation.active() == activation.parse(value)
+            assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kl-adapters: preset")] == [
+                activation_line(value)]
+            return
+        with pytest.raises(SettingError) as error:
+            activation.active()
+        check_refusal(str(error.value), refused, f"KL_ADAPTERS={value!r}")
+        with pytest.raises(SystemExit, match=f"^kl-adapters: KL_ADAPTERS={value!r}"):
+            loader._exit_if_refused()
+    finally:
+        activation.disable()
+
+
+@pytest.fixture(scope="module")
+def environment_runs(model_dir, tmp_path_factory) -> dict:
+    """A fresh interpreter per outcome (`FRESH_TRL`) with KL_ADAPTERS set, importing TRL and building a GRPOTrainer,
+    all at once (each imports TRL: seconds apiece)."""
+    tmp = tmp_path_factory.mktemp("env")
+    (tmp / "train.py").write_text(SCRIPT)  # HF_HUB_OFFLINE: conftest
+    return run_each([sys.executable, "train.py", model_dir], tmp, FRESH_TRL, at_once=len(FRESH_TRL))
+
+
+@pytest.mark.parametrize(("value", "refused"), cases("trl", FRESH_TRL))
 def test_table_through_kl_adapters_and_the_pth_hook(environment_runs, value, refused):
     """The zero-code path: KL_ADAPTERS on a script that never imports kl-adapters before TRL. Accepted: the trainer
     is built with the preset active and one activation line. Refused: exit 1 at the import of GRPOTrainer with one
@@ -82,9 +122,7 @@ def test_table_through_kl_adapters_and_the_pth_hook(environment_runs, value, ref
         settings = activation.parse(value)
         assert returncode == 0 and f"CONSTRUCTED {settings}" in out, err[-3000:]
         lines = [line for line in err.splitlines() if line.startswith("kl-adapters: preset")]
-        assert lines == [f"kl-adapters: preset {settings.preset} active in trl 1.16.0 (KL path: loss"
-                         + "".join(f"; {key} {getattr(settings, key):g}" for key in activation.OPTIONS
-                                   if getattr(settings, key) is not None) + "; beta 0.1)"], err[-3000:]
+        assert lines == [activation_line(value)], err[-3000:]
         return
     assert returncode == 1 and "CONSTRUCTED" not in out, (out, err[-3000:])
     (line,) = err.strip().splitlines()

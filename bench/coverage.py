@@ -9,7 +9,8 @@ appended, ``--algo.kl.unbiased_gradient`` dropped; TRL GRPO: ``--kl_preset seque
 option, ``--num_iterations 1 --normalize_advantages false`` and one generation per optimizer step) and is diagnosed
 again: accepted when that verdict is "unbiased" (the adapter's own refusals make it "refused"). Then the features that
 decide the code path are read from the configuration the framework's parser made (`features`), and each non-default
-one is looked up in `TESTED`: the row is on a tested path when its path has a test and every feature it sets has one.
+one is looked up in `TESTED` (the support matrix's test of the setting it turns on, kl_adapters.support, docs/support.md):
+the row is on a tested path when its path has a test and every feature it sets has one.
 
 One collection per framework, each in its own environment (the repositories checked out as in
 bench/doctor_examples.py), then the table (any Python):
@@ -20,7 +21,8 @@ bench/doctor_examples.py), then the table (any Python):
         --release /tmp/trl-release/pristine/trl-1.16.0
     python bench/coverage.py table /tmp/coverage_{verl,openrlhf,trl}.json bench/results/coverage
 
-tests/core/test_coverage_table.py checks that every test the table names exists.
+tests/core/test_coverage_table.py checks that every test the table names exists, and that judging the committed rows
+again with these mappings gives the committed verdicts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from doctor_examples import candidates, parse_command  # noqa: E402
 
+from kl_adapters import support  # noqa: E402
+
 #: (framework, KL path) -> the test that runs that path through the framework's own code with kl-adapters' fix
 #: (for a native unbiased path: the test that pins the framework's own KL gradient). None: no such test.
 PATH_TESTS = {
@@ -46,29 +50,33 @@ PATH_TESTS = {
     ("trl", "reward-native"): "tests/trl/test_rloo.py::test_rloo_advantage_is_loo_baselined_k1_sum",
 }
 
-_VERL_ENGINE = "tests/verl/test_coverage_engine.py::test_remove_padding_dynamic_batch_size_and_lora_match_the_oracle"
+#: (framework, feature, value) -> the setting of the support matrix (kl_adapters.support) it turns on; the matrix
+#: says whether a test runs it, and which (`TESTED`). verl's fsdp2 is the matrix's FSDP row (its default fsdp, the
+#: value the path test runs, shares the engine's forward, outputs and ppo_loss).
+SETTING = {
+    ("verl", "strategy", "fsdp2"): "sharding",
+    ("verl", "strategy", "megatron"): "megatron",
+    ("verl", "use_remove_padding", True): "packing",
+    ("verl", "use_dynamic_bsz", True): "dynamic-batch",
+    ("verl", "lora", True): "lora",
+    ("verl", "vision-language model", True): "vision-language",
+    ("openrlhf", "ds.packing_samples", True): "packing",
+    ("openrlhf", "lora", True): "lora",
+    ("openrlhf", "train.dynamic_batch_enable", True): "dynamic-batch",
+    ("openrlhf", "vision-language model", True): "vision-language",
+    ("trl", "vllm_importance_sampling_correction", True): "vllm",
+    ("trl", "peft (LoRA reference)", True): "lora",
+    ("trl", "vision-language model", True): "vision-language",
+}
 
-#: (framework, feature, value) -> the test that runs the fixed KL path with that feature on; a value not listed has no
-#: test (the row is "untested"); a feature at its `DEFAULTS` value is what the path test runs. verl's default strategy
-#: fsdp and fsdp2 share the FSDP engine's forward, outputs and ppo_loss (FSDPEngineWithLMHead); the CPU tests run fsdp2
-#: (FSDP1 syncs module states on a GPU).
+#: (framework, feature, value) -> the test that runs the fixed KL path with that feature on: the support matrix's test
+#: of each tested setting, and one KL path option that is no setting of the matrix; a value not listed has no test
+#: (the row is "untested"); a feature at its `DEFAULTS` value is what the path test runs.
 TESTED = {
-    ("verl", "strategy", "fsdp2"): "tests/verl/test_engine.py::test_fsdp2_engine_on_cpu_matches_the_oracle",
-    ("verl", "use_remove_padding", True): _VERL_ENGINE,
-    ("verl", "use_dynamic_bsz", True): _VERL_ENGINE,
-    ("verl", "lora", True): _VERL_ENGINE,
-    ("openrlhf", "ds.packing_samples", True):
-        "tests/openrlhf/test_coverage_packing.py::test_packed_rows_give_the_unpacked_gradient_and_statistics",
-    ("openrlhf", "lora", True):
-        "tests/openrlhf/test_coverage_lora.py::test_lora_actor_gradient_is_task_plus_kl_surrogate",
-    ("openrlhf", "train.dynamic_batch_enable", True):
-        "tests/openrlhf/test_loss_path.py::test_dynamic_batching_gradient",
+    **{feature: support.entry(feature[0], key).test for feature, key in SETTING.items()
+       if support.entry(feature[0], key).status == support.TESTED},
     ("trl", "importance_sampling_level", "sequence"):
         "tests/trl/test_grpo_gradients.py::test_sequence_level_importance_sampling",
-    ("trl", "vllm_importance_sampling_correction", True):
-        "tests/trl/test_grpo_gradients.py::test_vllm_importance_sampling_correction",
-    ("trl", "peft (LoRA reference)", True):
-        "tests/trl/test_grpo_gradients.py::test_lora_reference_is_adapter_disabled_base",
 }
 
 #: the settings `features` reads, at the values the path tests run
@@ -104,7 +112,7 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
                "ulysses_sequence_parallel_size": get("actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
                "lora": _lora(get("actor_rollout_ref.model.lora_rank"))
                or get("actor_rollout_ref.model.lora_adapter_path") is not None,
-               "vision-language model": _vision_language(get("actor_rollout_ref.model.path"))}
+               "vision-language model": support.vision_language(get("actor_rollout_ref.model.path"))}
         # a key the config does not have (Megatron's has no Ulysses size) is at its default
         return {k: DEFAULTS["verl"][k] if v is None else _plain(v) for k, v in out.items()}
     if framework == "openrlhf":
@@ -118,27 +126,17 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
                 value = getattr(value, name)
             return value
         special = {"lora": lambda: _lora(get("ds.lora.rank")),
-                   "vision-language model": lambda: _vision_language(get("actor.model_name_or_path"))}
+                   "vision-language model": lambda: support.vision_language(get("actor.model_name_or_path"))}
         return {k: special[k]() if k in special else _plain(get(k)) for k in DEFAULTS["openrlhf"]}
     from kl_adapters.doctor import trl as reader
 
-    config, _ = reader._parse(options["trainer"], *reader._num_processes(list(argv)))
+    config, *_ = reader._parse(options["trainer"], *reader._num_processes(list(argv)))
     return {"importance_sampling_level": getattr(config, "importance_sampling_level", "token"),
             "vllm_importance_sampling_correction": bool(getattr(config, "use_vllm", False)
                                                         and getattr(config, "vllm_importance_sampling_correction",
                                                                     False)),
             "peft (LoRA reference)": _use_peft(argv) or "peft_config=LoraConfig(" in text,
-            "vision-language model": _vision_language(_value(argv, "--model_name_or_path"))}
-
-
-#: a vision-language model's name (Qwen*-VL, Qwen3.5, MiniCPM-o, GLM-4.1V, ...): multimodal inputs, another forward
-_VL_NAME = re.compile(r"(?i)-vl\b|vl-|minicpm-?o|\d\.?\dv-|llava|vision|gemma-?3|idefics|smolvlm|qwen3\.5")
-
-
-def _vision_language(model_path) -> bool:
-    """Whether the model the configuration names is a vision-language model (by its name; a path the script computes
-    at run time reads as a text model)."""
-    return isinstance(model_path, str) and _VL_NAME.search(model_path) is not None
+            "vision-language model": support.vision_language(_value(argv, "--model_name_or_path"))}
 
 
 def _value(argv: list[str], flag: str) -> str | None:

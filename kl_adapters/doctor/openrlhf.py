@@ -30,7 +30,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .. import activation, native
+from .. import activation, native, support
 from ..activation import ENV_VAR
 from ..adapters.openrlhf.renamed import renamed_hint
 from .report import (OFF, ON, DoctorError, Fix, KLPath, Refused, Report, adapter_native, installed_version,
@@ -250,6 +250,31 @@ def _analyse(report: Report, args, settings) -> None:
         _reward_path(report, args, coef, settings)
     if report.verdict in ("biased", "no-op", "refused"):
         report.fix = _fix(report, args)
+    if settings is not None or report.fix is not None:
+        _support(report, args)
+
+
+def _support(report: Report, args) -> None:
+    """The support matrix's verdict (`kl_adapters.support`) of every setting the arguments turn on (called where
+    kl-adapters' path runs: a preset, or the fix): a note when tested, an `untested-path` / `refused-path` warning
+    otherwise. Pinned by tests/openrlhf/test_doctor.py::test_support_settings_print_their_verdict."""
+    ds, train, actor = args.ds, args.train, args.actor
+    on = {"lora": ds.lora.rank > 0,
+          "vllm": (args.vllm.num_engines or 0) > 0,
+          "packing": bool(ds.packing_samples),
+          "sequence-parallel": ds.ring_attn_size > 1,
+          "tensor-parallel": ds.tensor_parallel_size > 1,
+          "sharding": ds.zero_stage > 0,
+          "data-parallel": actor.num_nodes * actor.num_gpus_per_node > 1,
+          "vision-language": support.vision_language(actor.model_name_or_path),
+          "liger": bool(getattr(ds, "use_liger_kernel", False)),
+          "dynamic-batch": bool(train.dynamic_batch_enable),
+          "off-policy": OFF in report.regimes,
+          "async": bool(getattr(train, "async_enable", False))}
+    notes, warnings = support.doctor_lines("openrlhf", [key for key, turned_on in on.items() if turned_on])
+    report.notes += notes
+    for code, message in warnings:
+        report.add(code, "warning", message)
 
 
 def _unbiased_gradient(args) -> bool:

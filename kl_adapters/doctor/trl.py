@@ -26,9 +26,9 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from .. import activation, native
-from .report import (AUDIT_ARGS, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
-                     refusals)
+from .. import activation, native, support
+from .report import (AUDIT_ARGS, OFF, DoctorError, Fix, KLPath, Report, adapter_native, installed_version,
+                     note_budget, refusals)
 from .shell import logical_lines
 
 TRAINERS = ("grpo", "rloo")
@@ -56,9 +56,11 @@ def read(argv: list[str], trainer: str | None = None) -> Report:
     report.check_version()
     with refusals(report):
         activation.check_environment()  # a refused KL_ADAPTERS here would stop the import of TRL's trainers
-        config, kl_flags = _parse(trainer, *_num_processes(argv))
+        argv, processes = _num_processes(argv)
+        config, kl_flags, model = _parse(trainer, argv, processes)
         if trainer == "grpo":
             _grpo(report, config)
+            _support(report, config, model, processes)
         else:
             _rloo(report, config, kl_flags)
     return report
@@ -129,8 +131,9 @@ def _world_size(config_class: type, processes: int):
 
 
 def _parse(trainer: str, argv: list[str], processes: int):
-    """(the trainer's config, the kl-adapters flags given to RLOO) parsed by TRL's TrlParser; GRPO's config class is
-    KLGRPOConfig, whose own refusals raise SettingError (the verdict "refused")."""
+    """(the trainer's config, the kl-adapters flags given to RLOO, the model arguments: TRL's ModelConfig) parsed by
+    TRL's TrlParser; GRPO's config class is KLGRPOConfig, whose own refusals raise SettingError (the verdict
+    "refused")."""
     from trl import TrlParser
 
     from ..adapters.trl import KLGRPOConfig
@@ -156,6 +159,7 @@ def _parse(trainer: str, argv: list[str], processes: int):
         raise DoctorError(f"TRL refuses these arguments ({processes} process(es); --num_processes N sets it): "
                           f"{refused}") from None
     config = next(p for p in parsed if isinstance(p, config_class))
+    model = next((p for p in parsed if type(p).__name__ == "ModelConfig"), None)
     kl_flags: dict[str, str] = {}
     rest = list(remaining)
     while rest:
@@ -164,7 +168,7 @@ def _parse(trainer: str, argv: list[str], processes: int):
         if name not in _KL_FIELDS or (not value and not rest):
             raise DoctorError(f"arguments TRL's {trainer} parser does not know: {' '.join(remaining)}")
         kl_flags[name[2:]] = value or rest.pop(0)
-    return config, kl_flags
+    return config, kl_flags, model
 
 
 def _off_policy(report: Report, config) -> None:
@@ -209,6 +213,25 @@ def _grpo(report: Report, config) -> None:
         "from kl_adapters.adapters.trl import KLGRPOConfig  # in place of GRPOConfig, then kl_preset='sequence'",
         "--kl_preset sequence  (scripts parsing KLGRPOConfig)",
         "KL_ADAPTERS=sequence  (environment, e.g. with `trl grpo`)"), BETA_AFTER_FIX)
+
+
+def _support(report: Report, config, model, processes: int) -> None:
+    """The support matrix's verdict (`kl_adapters.support`) of every setting a GRPO configuration with a KL term turns
+    on, where kl-adapters' path runs (kl_preset, or the fix): a note when tested, an `untested-path` / `refused-path`
+    warning otherwise. Pinned by tests/trl/test_doctor.py::test_support_settings_print_their_verdict."""
+    if not report.paths:
+        return
+    on = {"lora": bool(getattr(model, "use_peft", False)),
+          "vllm": bool(config.use_vllm),
+          "sharding": bool(config.deepspeed or config.fsdp),
+          "data-parallel": processes > 1,
+          "vision-language": support.vision_language(getattr(model, "model_name_or_path", None)),
+          "liger": bool(config.use_liger_kernel),
+          "off-policy": OFF in report.regimes}
+    notes, warnings = support.doctor_lines("trl", [key for key, turned_on in on.items() if turned_on])
+    report.notes += notes
+    for code, message in warnings:
+        report.add(code, "warning", message)
 
 
 def _discount(report: Report, gamma: float | None) -> None:

@@ -16,7 +16,7 @@ import os
 import re
 from contextlib import contextmanager
 
-from .. import activation, native
+from .. import activation, native, support
 from ..activation import ENV_VAR
 from .report import (OFF, ON, DoctorError, Fix, KLPath, Report, adapter_native, installed_version, note_budget,
                      per_token_target, refusals)
@@ -192,18 +192,52 @@ def _analyse(report: Report, config, script_env: str | None) -> None:
                    "the same value-unbiased estimator at one common beta, which verl's units never give)")
     if report.verdict in ("biased", "no-op", "refused"):
         report.fix = _fix(report, config, use_loss, use_reward, agg)
-    _untested_engine(report, config)
+    _support(report, config)
 
 
-def _untested_engine(report: Report, config) -> None:
-    """A warning where kl-adapters' path (configured, or the fix) runs on an engine no test runs: verl's tests run the
-    FSDP engine (tests/verl/test_engine.py, test_coverage_engine.py); Megatron cannot run on CPU."""
-    strategy = _get(config, f"{_ACTOR}.strategy")
-    adapted = report.fix is not None or any(p.native.source.startswith("kl_adapters/") for p in report.paths)
-    if adapted and strategy not in (None, "fsdp", "fsdp2"):
-        report.add("untested-path", "warning", f"actor strategy {strategy}: kl-adapters is tested on verl's FSDP "
-                   "engine only; its KL term goes through the same ppo_loss here, but no test runs this engine, and "
-                   "the reduced presets get no pi(EOS) from it (no termination control variate)")
+def _support(report: Report, config) -> None:
+    """The support matrix's verdict (`kl_adapters.support`) of every setting the configuration turns on, where
+    kl-adapters' path runs (configured, or the fix): a note when tested, an `untested-path` / `refused-path` warning
+    otherwise. Pinned by tests/verl/test_doctor.py::test_support_settings_print_their_verdict."""
+    if report.fix is None and not any(p.native.source.startswith("kl_adapters/") for p in report.paths):
+        return
+    value = {key: _value(config, path) for key, path in _SUPPORT_KEYS.items()}
+    strategy, sizes = value["strategy"], (value["ulysses"], value["fsdp ulysses"])
+    on = {"lora": bool(value["lora_rank"]) or value["lora_adapter_path"] is not None,
+          "vllm": value["rollout"] in ("vllm", "sglang"),
+          "packing": value["use_remove_padding"] is True,
+          "sequence-parallel": any(isinstance(n, int) and n > 1 for n in sizes),
+          "sharding": strategy in ("fsdp", "fsdp2"),
+          "megatron": strategy == "megatron",
+          "data-parallel": isinstance(value["nnodes"], int) and isinstance(value["n_gpus_per_node"], int)
+          and value["nnodes"] * value["n_gpus_per_node"] > 1,
+          "vision-language": support.vision_language(value["model"]),
+          "liger": value["use_liger"] is True,
+          "dynamic-batch": value["use_dynamic_bsz"] is True,
+          "off-policy": OFF in report.regimes}
+    notes, warnings = support.doctor_lines("verl", [key for key, turned_on in on.items() if turned_on])
+    report.notes += notes
+    for code, message in warnings:
+        report.add(code, "warning", message)
+
+
+#: what `_support` reads: name -> config key
+_SUPPORT_KEYS = {
+    "strategy": f"{_ACTOR}.strategy", "use_dynamic_bsz": f"{_ACTOR}.use_dynamic_bsz",
+    "ulysses": f"{_ACTOR}.ulysses_sequence_parallel_size",
+    "fsdp ulysses": f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size",
+    **{k: f"actor_rollout_ref.model.{k}" for k in ("lora_rank", "lora_adapter_path", "use_remove_padding", "use_liger")},
+    "model": "actor_rollout_ref.model.path", "rollout": "actor_rollout_ref.rollout.name",
+    "nnodes": "trainer.nnodes", "n_gpus_per_node": "trainer.n_gpus_per_node",
+}
+
+
+def _value(config, key: str):
+    """The value at `key`, None where the config lacks it or the script computes it at run time."""
+    try:
+        return _get(config, key)
+    except DoctorError:
+        return None
 
 
 def _regimes(report: Report, config) -> None:

@@ -56,3 +56,27 @@ def test_the_benchs_mappings_name_existing_tests():
     bench = _bench()
     mapped = {t for t in [*bench.PATH_TESTS.values(), *bench.TESTED.values()] if t}
     assert [t for t in sorted(mapped) if not exists(t)] == []
+
+
+def test_the_settings_are_the_support_matrixs():
+    """Every feature bench/coverage.py maps to a setting names one of the support matrix (kl_adapters.support), and a
+    feature has a test exactly where the matrix calls its setting tested (the matrix is the one source)."""
+    from kl_adapters import support
+
+    bench = _bench()
+    for (framework, *_), key in bench.SETTING.items():
+        assert (framework, key) in support.MATRIX
+    for feature, key in bench.SETTING.items():
+        e = support.entry(feature[0], key)
+        assert bench.TESTED.get(feature) == (e.test if e.status == support.TESTED else None)
+
+
+def test_judging_the_rows_again_gives_their_verdicts():
+    """The committed table's accepted / tested / untested / tests are what `judge` gives its collected facts with
+    today's mappings: moving them into the support matrix changed no number (bench/results/coverage.json; the "before"
+    table was judged with the mappings of the commit that made it)."""
+    bench = _bench()
+    for r in json.loads((ROOT / "bench" / "results" / "coverage.json").read_text())["rows"]:
+        again = bench.judge({k: v for k, v in r.items() if k not in ("accepted", "tests", "untested", "tested")})
+        assert {k: again.get(k) for k in ("accepted", "tests", "untested", "tested")} == {
+            k: r.get(k) for k in ("accepted", "tests", "untested", "tested")}, r["source"]

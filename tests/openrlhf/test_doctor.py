@@ -305,3 +305,34 @@ def test_project_example_script():
     assert [(p.path, p.native.preset) for p in report.paths] == [("loss", "sequence")] and report.verdict == "unbiased"
     reward = diagnose("openrlhf", [script], env={"MODE": "reward"})
     assert [(p.path, p.native.preset) for p in reward.paths] == [("reward", "reward")] and reward.verdict == "unbiased"
+
+
+#: the loss path with `sequence`, on-policy, one GPU, ZeRO stage 0: no setting of the support matrix on
+SUPPORT_BASE = LOSS + ["--algo.kl.preset", "sequence", "--ds.zero_stage", "0", "--actor.num_gpus_per_node", "1"]
+PACKED = ["--ds.packing_samples", "--vllm.num_engines", "1"]  # OpenRLHF packs only with vLLM engines
+
+
+@pytest.mark.parametrize("key, extra", [
+    ("lora", ["--ds.lora.rank", "8"]), ("vllm", ["--vllm.num_engines", "1"]), ("packing", PACKED),
+    ("sequence-parallel", [*PACKED, "--ds.ring_attn_size", "2"]),
+    ("tensor-parallel", ["--ds.tensor_parallel_size", "2"]), ("sharding", ["--ds.zero_stage", "2"]),
+    ("data-parallel", ["--actor.num_gpus_per_node", "2"]),
+    ("vision-language", ["--actor.model_name_or_path", "Qwen/Qwen2.5-VL-7B-Instruct"]),
+    ("liger", ["--ds.use_liger_kernel"]), ("dynamic-batch", [*PACKED, "--train.dynamic_batch_enable"]),
+    ("off-policy", ["--train.max_epochs", "2"]), ("async", ["--train.async_enable"]),
+])
+def test_support_settings_print_their_verdict(key, extra):
+    """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
+    when tested, a warning when accepted untested or refused; a refused one is also the adapter's own refusal
+    (verdict refused: --ds.tensor_parallel_size > 1 and --ds.ring_attn_size > 1 are refused before Ray starts)."""
+    from kl_adapters import support
+    from kl_adapters.doctor import format_report
+
+    notes, warnings = support.doctor_lines("openrlhf", [key])
+    ((code, line),) = [(None, note) for note in notes] + warnings
+    report, base = doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE)
+    assert line in format_report(report) and line not in format_report(base)
+    assert (code, line) in [(h.code, h.message) for h in report.hazards] + [(None, n) for n in report.notes]
+    assert (report.verdict == "refused") == (code == "refused-path"), report.hazards
+    if key == "tensor-parallel":
+        assert any("--ds.tensor_parallel_size > 1" in h.message for h in report.hazards if h.code == "refused")

@@ -201,3 +201,27 @@ def test_unreadable_command_lines_get_one_plain_line(argv, message, capsys):
 def test_no_library_warnings_on_a_readable_command_line(capsys):
     assert main(["doctor", "trl", "--beta", "0.04"]) == 1
     assert capsys.readouterr().err == ""
+
+
+#: GRPO with `sequence`, on-policy, one process: no setting of the support matrix on
+SUPPORT_BASE = ["--beta", "0.04", "--kl_preset", "sequence"]
+
+
+@pytest.mark.parametrize("key, extra", [
+    ("lora", ["--use_peft"]), ("vllm", ["--use_vllm", "true"]), ("sharding", ["--fsdp", "full_shard auto_wrap"]),
+    ("data-parallel", ["--num_processes", "2"]),
+    ("vision-language", ["--model_name_or_path", "Qwen/Qwen2.5-VL-3B-Instruct"]),
+    ("liger", ["--use_liger_kernel", "true"]), ("off-policy", ["--num_iterations", "2"]),
+])
+def test_support_settings_print_their_verdict(key, extra):
+    """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
+    when tested, a warning when accepted untested or refused (use_liger_kernel: also the adapter's refusal)."""
+    from kl_adapters import support
+    from kl_adapters.doctor import format_report
+
+    notes, warnings = support.doctor_lines("trl", [key])
+    ((code, line),) = [(None, note) for note in notes] + warnings
+    report, base = doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE)
+    assert line in format_report(report) and line not in format_report(base)
+    assert (code, line) in [(h.code, h.message) for h in report.hazards] + [(None, n) for n in report.notes]
+    assert (report.verdict == "refused") == (code == "refused-path"), report.hazards

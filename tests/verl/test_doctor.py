@@ -290,3 +290,34 @@ def test_unreadable_overrides_get_one_plain_line(argv, message, capsys):
     (line,) = captured.err.splitlines()
     assert line.startswith("kl-adapters doctor: cannot read this verl configuration: ") and message in line
     assert captured.out == ""
+
+
+#: the loss path with `sequence`, on-policy, one GPU, no remove-padding: of the support matrix only FSDP is on
+SUPPORT_BASE = [*LOSS, *ON_POLICY, "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence",
+                "actor_rollout_ref.model.use_remove_padding=False", "trainer.n_gpus_per_node=1"]
+
+
+@pytest.mark.parametrize("key, extra", [
+    ("lora", ["actor_rollout_ref.model.lora_rank=8"]), ("vllm", ["actor_rollout_ref.rollout.name=vllm"]),
+    ("packing", ["actor_rollout_ref.model.use_remove_padding=True"]),
+    ("sequence-parallel", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]),
+    ("sharding", ["actor_rollout_ref.actor.strategy=fsdp2"]), ("megatron", ["--config-name", "ppo_megatron_trainer"]),
+    ("data-parallel", ["trainer.n_gpus_per_node=2"]),
+    ("vision-language", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-VL-7B-Instruct"]),
+    ("liger", ["actor_rollout_ref.model.use_liger=True"]),
+    ("dynamic-batch", ["actor_rollout_ref.actor.use_dynamic_bsz=True"]),
+    ("off-policy", ["actor_rollout_ref.actor.ppo_mini_batch_size=64"]),
+])
+def test_support_settings_print_their_verdict(key, extra):
+    """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
+    when tested, a warning when accepted untested or refused (Ulysses: also the adapter's refusal, verdict refused).
+    verl's default strategy fsdp is the FSDP row, so the base configuration prints that one already."""
+    from kl_adapters import support
+    from kl_adapters.doctor import format_report
+
+    notes, warnings = support.doctor_lines("verl", [key])
+    ((code, line),) = [(None, note) for note in notes] + warnings
+    report, base = doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE)
+    assert line in format_report(report) and (line in format_report(base)) == (key == "sharding")
+    assert (code, line) in [(h.code, h.message) for h in report.hazards] + [(None, n) for n in report.notes]
+    assert (report.verdict == "refused") == (code == "refused-path"), report.hazards

@@ -29,8 +29,12 @@ key=$(cat "$ROOT/envs/device-image.txt" "$HERE/image_packages.txt" | sha256sum |
 VENV=${DEVICE_IMAGE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kl-adapters/device-image-$key}
 OUT=$(mktemp -d -t device-image-XXXX)
 
-stand_in() {
-  [ -x "$VENV/bin/python" ] && [ -f "$VENV/.complete" ] && return
+stand_in() {  # one builder at a time: a second proof on the machine waits for the first one's stand-in, never
+             # removes it under that proof
+  mkdir -p "$(dirname "$VENV")"
+  exec 9> "$VENV.lock"
+  flock 9
+  [ -x "$VENV/bin/python" ] && [ -f "$VENV/.complete" ] && { flock -u 9; return; }
   echo "=== building the device-image stand-in $VENV"
   rm -rf "$VENV" && "$PY312" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/envs/device-image.txt"
@@ -46,6 +50,7 @@ EOF
 )
   [ -z "$extra" ] || "$VENV/bin/python" -m pip uninstall -q -y $extra
   touch "$VENV/.complete"
+  flock -u 9
 }
 
 status=0

@@ -81,7 +81,7 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "(trl/trainer/grpo_config.py)"),
     ("trl", "tensor-parallel"): Entry(
         ACCEPTED, "nothing refuses accelerate's parallelism_config with tp_size > 1; not run. It makes the weights "
-        "DTensors, which the reduced presets' pi(EOS) read does not handle under FSDP2 (below)"),
+        "DTensors, which the reduced presets' pi(EOS) read fails on under FSDP2 (the DeepSpeed ZeRO / FSDP row)"),
     ("trl", "sharding"): Entry(
         ACCEPTED, "nothing refuses DeepSpeed or FSDP (TrainingArguments `deepspeed` / `fsdp`, or accelerate's config). "
         "The KL term reads TRL's log-probs and reference log-probs, which sharding does not change; but the reduced "

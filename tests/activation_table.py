@@ -83,6 +83,19 @@ def check_refusal(message: str, fragment: str, setting: str) -> None:
     assert setting in message and fragment in message, message
 
 
+def check_refused_environment(value: str, fragment: str) -> None:
+    """KL_ADAPTERS=`value`, read in this process as the .pth hook reads it, is refused: every use raises its one line,
+    and the import hook would stop a framework's import with that line (SystemExit, exit status 1)."""
+    from kl_adapters import activation
+    from kl_adapters.adapters import loader
+
+    with pytest.raises(activation.SettingError) as error:
+        activation.active()
+    check_refusal(str(error.value), fragment, f"KL_ADAPTERS={value!r}")
+    with pytest.raises(SystemExit, match=f"^kl-adapters: KL_ADAPTERS={value!r}"):
+        loader._exit_if_refused()
+
+
 def run_each(command: list[str], cwd: Path, values: tuple[str, ...] | None = None,
              at_once: int = 4) -> dict[str, tuple[int, str, str]]:
     """value -> (exit status, stdout, stderr) of `command` in a fresh interpreter per table value (of `values` only,

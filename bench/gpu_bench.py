@@ -13,8 +13,9 @@ KL needs both models' logits, so it has no KL-term-alone row) <= 1.15 / 1.1.
             kl_adapters:sequence); OpenRLHF's compute_approx_kl path (openrlhf_overhead.py's kl_term)
 Peak memory: torch.cuda.max_memory_allocated over one call of each configuration, after a reset (median of 3 rounds).
 
-On a GPU: writes bench/results/gpu_<framework>_<device>.json (write_result: command, environment, device) and a copy to
---out. Without CUDA: a tiny smoke configuration (2 repeats, small shapes), written to --out only, never to results.
+On a GPU: writes bench/results/gpu_<framework>_<device>.json (write_result: command, environment, device, and the
+kl-adapters commit measured: `commit`) and a copy to --out. Without CUDA: a tiny smoke configuration (2 repeats, small
+shapes), written to --out only, never to results.
 Usage: python bench/gpu_bench.py --framework trl|verl|openrlhf --out DIR [--repeats 30]
 (scripts/gpu.sh run <framework> runs it on the device.)
 """
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import types
@@ -119,10 +121,13 @@ def trl_bench(device: str, gpu: bool, repeats: int) -> dict:
     model = "random Llama " + json.dumps(LLAMA_63M if gpu else {"hidden": 32})
     result = {}
     for key, preset in (("step", "sequence"), ("step_full", "full")):
-        steps = {NATIVE: native, ADAPTER: bench.train_step_fn(bench.build(model_dir, preset, device))}
+        trainer = bench.build(model_dir, preset, device)
+        steps = {NATIVE: native, ADAPTER: bench.train_step_fn(trainer)}
         result[key] = {"model": model, "preset": preset,
-                       "what": "GRPOTrainer.training_step, 8 x 32 completion tokens, beta 0.04",
-                       **measure(steps, repeats, before=lambda _config, i: torch.manual_seed(i))}
+                       "what": "GRPOTrainer.training_step, 8 completions of at most 32 tokens, beta 0.04",
+                       **measure(steps, repeats, before=lambda _config, i: torch.manual_seed(i)),
+                       # what the steps generated (the same for both: each step seeded alike), as trl_step_overhead.py
+                       "completion_mean_length": statistics.mean(trainer._metrics["train"]["completions/mean_length"])}
     return result
 
 
@@ -179,6 +184,18 @@ def openrlhf_bench(device: str, gpu: bool, repeats: int) -> dict:
 BENCHES = {"trl": trl_bench, "verl": verl_bench, "openrlhf": openrlhf_bench}
 
 
+def commit() -> str:
+    """The kl-adapters commit measured: KL_ADAPTERS_COMMIT (scripts/gpu.sh sets it from the wheelhouse's COMMIT, since
+    the device runs the installed wheel, not a checkout), else `git describe --always --dirty` here, else "unknown"."""
+    if os.environ.get("KL_ADAPTERS_COMMIT"):
+        return os.environ["KL_ADAPTERS_COMMIT"]
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--framework", required=True, choices=sorted(BENCHES))
@@ -189,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if gpu else "cpu"
     repeats = a.repeats if gpu else 2
     torch.manual_seed(0)
-    result = {"framework": a.framework, "device": torch.cuda.get_device_name(0) if gpu else "cpu (smoke configuration)",
-              "repeats": repeats, **kl_term_core(device, gpu, repeats),
-              **BENCHES[a.framework](device, gpu, repeats)}
+    device_name = torch.cuda.get_device_name(0) if gpu else "cpu (smoke configuration)"
+    result = {"commit": commit(), "framework": a.framework, "device": device_name, "repeats": repeats,
+              **kl_term_core(device, gpu, repeats), **BENCHES[a.framework](device, gpu, repeats)}
     result["goal"] = {"step_time_ratio": 1.005, "peak_memory_ratio": 1.01, "full": {"step_time_ratio": 1.15,
                                                                                      "peak_memory_ratio": 1.1}}
     a.out.mkdir(parents=True, exist_ok=True)

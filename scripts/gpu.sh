@@ -2,17 +2,22 @@
 # The GPU integration suite in one device call per framework (issue 13).
 #
 #   scripts/gpu.sh prepare [trl|verl|openrlhf]...   here, with network: .gpu-wheels/<fw>/ (git-ignored), one
-#                                                   wheelhouse per framework (default: all three), each <= 60 MiB
+#                                                   wheelhouse per framework (default: all three), each <= 60 MiB, and
+#                                                   its COMMIT (git describe --always --dirty of the wheel's source)
 #   scripts/gpu.sh run <trl|verl|openrlhf> [outdir] on the GPU machine: install .gpu-wheels/<fw> with --no-index on top
 #                                                   of the image's torch, run `pytest -m gpu` on tests/<fw>'s files
 #                                                   that hold `gpu` tests and
 #                                                   bench/gpu_bench.py (GPU_BENCH=0: not); logs + JSON to
 #                                                   outdir (default $OUT); PYTEST_ADDOPTS (pytest's own) selects tests
-#   scripts/gpu.sh all <outdir> [<fw>:<seconds>]... on the GPU machine, one call for several frameworks: `run` for each
-#                                                   in turn under its time limit (default openrlhf:140 verl:180
-#                                                   trl:250), everything they write in one outdir/gpu.tgz, rewritten
-#                                                   after each (the device returns at most 8 files) with summary.txt
-#                                                   (each framework's exit status and seconds) and <fw>-run.log
+#   scripts/gpu.sh all <outdir> <fw>:<seconds>...   on the GPU machine, one call for several frameworks: `run` for each
+#                                                   in turn under its time limit, everything they write in one
+#                                                   outdir/gpu.tgz, rewritten after each (the device returns at most 8
+#                                                   files) with summary.txt (each framework's exit status and seconds)
+#                                                   and <fw>-run.log. The whole suite is two calls of at most 8 minutes
+#                                                   (CALLS; `all <outdir>` alone prints them)
+#
+# Every file a run writes records the kl-adapters commit it tested (KL_ADAPTERS_COMMIT, default the wheelhouse's
+# COMMIT): the logs' and summary.txt's first lines, the environment report, the JUnit suite name, the benchmark JSON.
 #
 # A wheelhouse holds exactly the pins of envs/gpu-<fw>.txt (each one a pin of the CPU suite, envs/<fw>.txt; the
 # device image has the rest: envs/device-image.txt), built for CPython 3.12 manylinux x86_64, plus a wheel of
@@ -28,8 +33,13 @@ FRAMEWORKS=(trl verl openrlhf)
 MAX_MIB=60
 SDIST_ONLY=(deepspeed antlr4-python3-runtime)  # no wheel on the index: built here (pure Python)
 PY=${PYTHON:-python3}
+# the whole suite in two device calls, each within 8 minutes (480 s) of limits, from the H200 logs (docs/gpu.md, "Run"):
+# openrlhf's tests and benchmark took 138 s, verl's three tests and benchmark together about 300 s at most, trl's 14
+# tests then 154 s and its benchmark about 110 s (its 2 measure GPU tests, added since, never ran on a GPU: room left)
+CALLS=("openrlhf:170 verl:300" "trl:420")
+CALL_SECONDS=480
 
-usage() { sed -n '3,15p' "$0" >&2; exit 2; }
+usage() { sed -n '3,17p' "$0" >&2; exit 2; }
 known() { [[ " ${FRAMEWORKS[*]} " == *" $1 "* ]] || { echo "unknown framework: $1 (trl|verl|openrlhf)" >&2; exit 2; }; }
 pins() { grep -v '^#' "$ROOT/envs/gpu-$1.txt" | grep -v '^[[:space:]]*$'; }
 
@@ -61,14 +71,21 @@ prepare() {
   done
   rm -f "$dir"/kl_adapters-*.whl
   "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir" "$ROOT"
+  git -C "$ROOT" describe --always --dirty > "$dir/COMMIT" 2>/dev/null || echo unknown > "$dir/COMMIT"
   local mib
   mib=$(du -sm "$dir" | cut -f1)
   echo "$fw: $(find "$dir" -name '*.whl' | wc -l) wheels, $(du -sh "$dir" | cut -f1) in $dir"
   [ "$mib" -le "$MAX_MIB" ] || { echo "$fw wheelhouse is $mib MiB > $MAX_MIB MiB" >&2; exit 1; }
 }
 
+# the kl-adapters commit a run of <fw> tests: KL_ADAPTERS_COMMIT, else the wheelhouse's COMMIT, else this checkout's
+commit_of() {
+  [ -z "${KL_ADAPTERS_COMMIT:-}" ] || { echo "$KL_ADAPTERS_COMMIT"; return; }
+  cat "$WHEELS/$1/COMMIT" 2>/dev/null || git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown
+}
+
 run() {
-  local fw=$1 out=${2:-${OUT:-}} site
+  local fw=$1 out=${2:-${OUT:-}} site commit
   known "$fw"
   [ -n "$out" ] || { echo "run: give an output folder (or set OUT)" >&2; exit 2; }
   mkdir -p "$out"
@@ -85,36 +102,53 @@ run() {
   export PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   unset KL_ADAPTERS
+  commit=$(commit_of "$fw")
+  export KL_ADAPTERS_COMMIT=$commit  # bench/gpu_bench.py records it
+  echo "# kl-adapters commit $commit ($fw)"
   # DeepSpeed 0.19.6's JIT builder (FusedAdam) reads TORCH_CUDA_ARCH_LIST as numbers: the image's arch-specific
   # suffixes (sm_90a as "9.0a") stop the build ("invalid literal for int() ... '0a'", seen on an H200)
   [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] || export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//[af]/}
   cd "$ROOT"
   local status=0
   "$PY" -P tests/device_image/environment_report.py "$fw" "$out/$fw-environment.json" || status=1
+  [ ! -f "$out/$fw-environment.json" ] || "$PY" -c 'import json, sys
+path, commit = sys.argv[1:]
+report = json.load(open(path))
+json.dump({"kl_adapters_commit": commit, **report}, open(path, "w"), indent=1)' "$out/$fw-environment.json" "$commit"
   # the suite's files that hold `gpu` tests (other test modules may import what is not carried); -P: the checkout
   # stays off sys.path, so the tests import the installed kl-adapters wheel (as bin/pytest does)
   local files
   mapfile -t files < <(grep -l "mark\.gpu" "tests/$fw"/test_*.py)
-  "$PY" -P -m pytest "${files[@]}" -m gpu -p no:cacheprovider -rA --junitxml="$out/$fw-junit.xml" 2>&1 \
-    | tee "$out/$fw-pytest.log" || status=1
+  { echo "# kl-adapters commit $commit"
+    "$PY" -P -m pytest "${files[@]}" -m gpu -p no:cacheprovider -rA --junitxml="$out/$fw-junit.xml" \
+      -o junit_suite_name="kl-adapters $commit" 2>&1; } | tee "$out/$fw-pytest.log" || status=1
   [ "${GPU_BENCH:-1}" = 0 ] && return $status  # GPU_BENCH=0: the tests only (a rerun whose benchmark is recorded)
-  "$PY" -P bench/gpu_bench.py --framework "$fw" --out "$out" 2>&1 | tee "$out/$fw-bench.log" || status=1
+  { echo "# kl-adapters commit $commit"
+    "$PY" -P bench/gpu_bench.py --framework "$fw" --out "$out" 2>&1; } | tee "$out/$fw-bench.log" || status=1
   return $status
 }
 
 run_all() {
-  local out=$1 work spec fw limit start rc status=0
+  local out=$1 work spec fw limit start rc total=0 status=0
   shift
-  [ $# -gt 0 ] || set -- openrlhf:140 verl:180 trl:250
+  if [ $# -eq 0 ]; then
+    echo "all: name the frameworks and limits; the whole suite is two device calls of at most $CALL_SECONDS s:" >&2
+    printf '  scripts/gpu.sh all <outdir> %s\n' "${CALLS[@]}" >&2
+    exit 2
+  fi
   for spec in "$@"; do  # every argument checked before the first run
     known "${spec%%:*}"
     [[ "${spec#*:}" =~ ^[1-9][0-9]*$ ]] || { echo "all: '$spec' is not <framework>:<seconds>" >&2; exit 2; }
+    total=$(( total + ${spec#*:} ))
   done
+  [ "$total" -le "$CALL_SECONDS" ] || echo "all: the limits add up to $total s, more than one device call's" \
+    "$CALL_SECONDS s" >&2
   mkdir -p "$out"
   out=$(cd "$out" && pwd)
   work=$(mktemp -d -t kl-adapters-gpu-XXXX)
   for spec in "$@"; do
     fw=${spec%%:*} limit=${spec#*:} start=$(date +%s)
+    echo "# kl-adapters commit $(commit_of "$fw") ($fw, $(date -u +%Y-%m-%dT%H:%MZ))" >> "$work/summary.txt"
     timeout "$limit" "$ROOT/scripts/gpu.sh" run "$fw" "$work/$fw" > "$work/$fw-run.log" 2>&1 && rc=0 || rc=$?
     echo "$fw rc=$rc seconds=$(( $(date +%s) - start ))$([ "$rc" = 124 ] && echo " (time limit)")" \
       | tee -a "$work/summary.txt"

@@ -31,7 +31,7 @@ cancelled; so the coefficients are fitted to the combined weight, not to the KL 
 
 How they are fitted (`batch_statistics`), for row b from the other rows b' of its group (leave-one-out):
   1. KL-only coefficients, precise because they are token-level: a~_b = clamp(-sum k1 xi / sum xi^2, 0, 1) (the
-     regression of k1 on xi, with CV_PRIOR_TOKENS of prior weight on 0, and the upper tail of xi that E[xi] = 0 says
+     regression of k1 on xi, with `cv_prior_tokens` of prior weight on 0, and the upper tail of xi that E[xi] = 0 says
      the other rows did not draw counted in: `unseen_tail`) and kappa_b = the mean k1 per token (the KL a
      stop gives up per lost position). a~_b Q and -kappa_b H are the KL-optimal control variates of the return after
      t (a fitted termination coefficient would be noisy: a stop is a rare, row-level event).
@@ -48,20 +48,18 @@ How they are fitted (`batch_statistics`), for row b from the other rows b' of it
      add to a~ Q, and without a task its covariance with the KL return (`UnseenTail`, `_add_unseen_tail`).
   3. m_{b,t} = the omega-weighted mean over the other rows alive at t of y + (the fitted terms), shrunk toward 0 by a
      positive-part James-Stein factor (a mean of few returns adds its own noise).
-  4. Every statistic of row b is multiplied by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows'
+  4. Every statistic of row b is multiplied by dof / (dof + `fit_prior_dof`), dof = sum_t (n_{b,t} - 1) the other rows'
      tokens beyond the per-position means (`fit_shrinkage`): a row with fewer than two other rows with tokens gets 0,
      the plain form, and a tiny group only a fraction of its fit (measured on groups of 3-4 three-token completions:
      docs/variance.md, exact tiny batches).
-`ReductionConfig` names each prior and switches each part (the defaults: the above); `reduction_config` sets one for a
-block (ablations: bench/zeroed_statistics.py, tests/core/test_reduction_benefit.py).
+The priors and a switch for each part, with their defaults (the above) and each switch's benefit pin:
+`ReductionConfig` (reduction_settings.py, imported here as well); `reduction_config` sets one for a block (ablations:
+bench/reduction_components.py, docs/variance.md).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -69,99 +67,8 @@ import torch
 from torch import Tensor
 
 from .estimators import as_float, capped, reverse_cumsum
-
-# The fit's priors (the defaults of `ReductionConfig`). Every one but VARIANCE_FLOOR may take any value with the
-# expected gradient exact (each acts on functions of the other rows, or for the fade on the row's own prefix): they
-# trade the fit's noise against its reach, and change the variance only (tests/core/test_reduction_config.py).
-#: standard errors by which the other rows' sum of xi must fall below 0 to count as an unseen upper tail (`unseen_tail`)
-TAIL_Z = 2.0
-#: prior weight, in tokens, of a~ = 0 (the plain k1 return) against the fitted token-level coefficient; it shows only
-#: where the joint fit's control-variate coefficient is clamped (the fit rescales a~ Q freely otherwise)
-CV_PRIOR_TOKENS = 4.0
-#: smallest prefix weight, relative to the row's largest, that `relative_returns` divides by (log scale). Condition
-#: of correct returns, not of exactness: a row's returns are exact where its prefix weights lie within e^floor of its
-#: largest, and finite while e^-floor times the returns stays inside float32's range (-88.7 < floor)
-LOG_RELATIVE_WEIGHT_FLOOR = -60.0
-#: ridge of the joint fit, relative to each feature's variance, in tokens
-JOINT_PRIOR_TOKENS = 4.0
-#: prior weight, in degrees of freedom (other rows' tokens beyond the per-position means), of the plain form against
-#: a row's fitted statistics (`fit_shrinkage`)
-FIT_PRIOR_DOF = 8.0
-#: |log w_{1:t-1}| up to which a row's own baseline term is kept whole off-policy (`fade_baseline_`, `weight_fade`)
-BASELINE_FREE_LOG_WEIGHT = 4.0
-#: a feature of the joint fit whose centred variance is below this fraction of its raw second moment is left out.
-#: Condition of exactness (`_joint_fit`): above the relative rounding of the leave-one-out variance (a group total
-#: minus the row's own terms), and below the relative variance of a feature worth fitting
-VARIANCE_FLOOR = 1e-6
-
-
-@dataclass(frozen=True)
-class ReductionConfig:
-    """The fit's priors and a switch for each of its parts; the defaults are the presets' behaviour.
-
-    Every setting keeps the expected gradient exact (each is a function of the other rows, or of the row's own prefix
-    for the fade), except a `variance_floor` at rounding level (`_joint_fit`: the condition of exactness there); they
-    change the variance only. Set one for a block with `reduction_config` (ablations, benchmarks); the loss reads the
-    active one (`active_reduction_config`).
-
-    Priors (module constants of the same name in capitals):
-    tail_z                    `unseen_tail`'s threshold, in standard errors of the other rows' sum of xi
-    cv_prior_tokens           prior weight, in tokens, of a~ = 0 in the token-level regression (`token_coefficients`)
-    joint_prior_tokens        the joint fit's ridge relative to each feature's variance, in tokens (`_joint_fit`)
-    fit_prior_dof             `fit_shrinkage`'s prior, in degrees of freedom (0: no shrinkage where dof > 0)
-    variance_floor            `_joint_fit`'s floor on a feature's centred variance relative to its raw second moment
-    log_relative_weight_floor `relative_returns`' floor on a prefix weight relative to the row's largest (log scale)
-    baseline_free_log_weight  `fade_baseline_`'s free range of |log w_{1:t-1}|
-    Switches (False: the part is off):
-    fit                       every fitted statistic (False: all zero, the plain form exactly; eos_count is kept)
-    control_variate, termination, past_kl, baseline
-                              one statistic each (cv_coef a, eos_coef h, past_coef lambda, baseline m): False sets it
-                              to zero after the fit, the others as fitted (bench/zeroed_statistics.py)
-    task                      fit to the trainer's task + KL gradient (False: to the KL term alone, task ignored)
-    unseen_tail               count xi's unseen upper tail (`unseen_tail`) in a~ and in the joint fit
-    james_stein               shrink the per-position means m (`_james_stein`; False: the means themselves)
-    off_policy_task_weight    weigh the advantages by `off_policy_task_weight` off-policy (False: weight 1)
-    baseline_fade             `fade_baseline_` off-policy (False: the baseline term whole)
-    """
-
-    tail_z: float = TAIL_Z
-    cv_prior_tokens: float = CV_PRIOR_TOKENS
-    joint_prior_tokens: float = JOINT_PRIOR_TOKENS
-    fit_prior_dof: float = FIT_PRIOR_DOF
-    variance_floor: float = VARIANCE_FLOOR
-    log_relative_weight_floor: float = LOG_RELATIVE_WEIGHT_FLOOR
-    baseline_free_log_weight: float = BASELINE_FREE_LOG_WEIGHT
-    fit: bool = True
-    control_variate: bool = True
-    termination: bool = True
-    past_kl: bool = True
-    baseline: bool = True
-    task: bool = True
-    unseen_tail: bool = True
-    james_stein: bool = True
-    off_policy_task_weight: bool = True
-    baseline_fade: bool = True
-
-
-_ACTIVE: ContextVar[ReductionConfig] = ContextVar("kl_adapters_reduction_config", default=ReductionConfig())
-
-
-def active_reduction_config() -> ReductionConfig:
-    """The `ReductionConfig` in effect (the defaults outside any `reduction_config` block)."""
-    return _ACTIVE.get()
-
-
-@contextmanager
-def reduction_config(config: ReductionConfig) -> Iterator[ReductionConfig]:
-    """Within the block (this thread / task), the fit uses `config`."""
-    if not isinstance(config, ReductionConfig):
-        raise TypeError(f"reduction_config takes a ReductionConfig, got {type(config).__name__}")
-    token = _ACTIVE.set(config)
-    try:
-        yield config
-    finally:
-        _ACTIVE.reset(token)
-
+from .reduction_settings import ReductionConfig, active_reduction_config
+from .reduction_settings import reduction_config  # noqa: F401 - kl_adapters.reductions.reduction_config, as documented
 
 @dataclass(frozen=True)
 class TaskAdvantages:
@@ -328,7 +235,7 @@ def _dot(x: Tensor, y: Tensor) -> Tensor:
 def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None, discount: float = 1.0) -> Tensor:
     """R_t = sum_{s>=t} discount^(s-t) w_{t+1:s} x_s per channel of x [B, k, T] (zero at padding): a row's return from t given it
     reached t. w_{t+1:s} = w_{1:s} / w_{1:t} is computed relative to the row's largest prefix weight, held at
-    exp(LOG_RELATIVE_WEIGHT_FLOOR) where it is smaller (so neither underflows to 0 / 0 nor overflows in float32: only
+    exp(`log_relative_weight_floor`) where it is smaller (so neither underflows to 0 / 0 nor overflows in float32: only
     other rows' statistics read these returns, and any function of the other rows keeps the gradient exact, so the
     floor changes variance only, for rows whose weights have degenerated). log_rho None: on-policy (every w = 1)."""
     if log_rho is None:
@@ -340,7 +247,7 @@ def relative_returns(x: Tensor, mask: Tensor, log_rho: Tensor | None, discount: 
 
 
 def _regression(num: Tensor, den: Tensor, tokens: Tensor) -> Tensor:
-    """clamp(num / den, 0, 1) * tokens / (tokens + CV_PRIOR_TOKENS) for num = -sum k1 xi, den = sum xi^2; 0 where
+    """clamp(num / den, 0, 1) * tokens / (tokens + `cv_prior_tokens`) for num = -sum k1 xi, den = sum xi^2; 0 where
     den = 0. -k1 xi >= 0 always (k1 and xi have opposite signs), so the ratio is >= 0; it tends to 1 as k1 -> 0
     (xi = -k1 + O(k1^2)). An overflowed xi (inf / inf) gives 0, the plain k1 return."""
     prior = active_reduction_config().cv_prior_tokens
@@ -447,7 +354,7 @@ def batch_statistics(r: Returns, cv_scale: Tensor, kappa: Tensor, task: TaskAdva
     eos_coef = -fitted["eos"] * kappa.to(dtype) if "eos" in fitted else zero
     coefficients = torch.stack([x if on else zero for x, on in (
         (cv_coef, config.control_variate), (eos_coef, config.termination), (fitted["past"], config.past_kl))])
-    # every statistic is scaled by dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_{b,t} - 1) the other rows' tokens left
+    # every statistic is scaled by dof / (dof + `fit_prior_dof`), dof = sum_t (n_{b,t} - 1) the other rows' tokens left
     # after the per-position means (0 with fewer than two other rows with tokens: the plain form): a fit to a handful of
     # tokens adds more noise than it removes (`fit_shrinkage`); far off-policy (weights past float64's range) a fit can
     # overflow: its statistics are then 0, the plain form, and the baseline is held within +-(working dtype max)^(1/4)
@@ -485,7 +392,7 @@ def _add_unseen_tail(moments: Tensor, raw: Tensor, row: int, cv_scale: Tensor, t
 
 
 def fit_shrinkage(count: Tensor) -> Tensor:
-    """[B] the factor dof / (dof + FIT_PRIOR_DOF) on every fitted statistic of row b, dof = sum_t max(n_{b,t} - 1, 0)
+    """[B] the factor dof / (dof + `fit_prior_dof`) on every fitted statistic of row b, dof = sum_t max(n_{b,t} - 1, 0)
     from count [B, T] = n_{b,t}, the other rows' tokens at position t (0 with fewer than two other rows with tokens).
     Adding f x (a fitted reduction) changes the variance by 2 f Cov + f^2 Var: with few tokens the fit's own noise
     (Var) outweighs what it removes, and a small f keeps the first-order gain (measured: docs/variance.md). Pinned by
@@ -511,7 +418,7 @@ def _task_scale(task: TaskAdvantages | None, advantages: Tensor | None, mask: Te
     b's statistics must be invariant to that map, including the decision to drop the task. scale_b (A - mu_b) is
     invariant; the only degenerate case, the other rows' advantages all equal (sigma_b = 0, scale 0: no task), is
     decided by exact comparison (`_others_tied`), never by comparing sigma_b^2 to a threshold: any threshold relative to
-    the mean square of A (the former VARIANCE_FLOOR test) moves with the shift, i.e. with row b's reward, and biased
+    the mean square of A (the former `variance_floor` test) moves with the shift, i.e. with row b's reward, and biased
     the gradient where the other rows' rewards nearly tie (tests/core/test_normalized_advantages_exactness.py)."""
     ones = torch.ones(mask.shape[0], dtype=torch.float64, device=mask.device)
     if task is None:
@@ -603,9 +510,9 @@ def token_coefficients(k1: Tensor, cv: Tensor, mask: Tensor, same: Tensor | None
 
 
 def unseen_tail(sum_xi: Tensor, sum_xi_sq: Tensor) -> Tensor:
-    """M = max(0, -sum xi - TAIL_Z sqrt(sum xi^2)): the positive mass of xi = pi_ref/pi - 1 that the other rows' tokens
+    """M = max(0, -sum xi - `tail_z` sqrt(sum xi^2)): the positive mass of xi = pi_ref/pi - 1 that the other rows' tokens
     are missing. E_pi[xi | y_<t] = 0 exactly and xi >= -1, so where pi has suppressed a token that pi_ref allows, the
-    rare samples of it (xi large) are what balance many small negative xi; a sum of xi far below 0 (beyond TAIL_Z of
+    rare samples of it (xi large) are what balance many small negative xi; a sum of xi far below 0 (beyond `tail_z` of
     its own standard error, ~sqrt(sum xi^2) without a tail) says they were not drawn. The regression of k1 on xi then
     counts M as one more token with xi = M and k1 = -log(1 + M) (the most conservative: the largest xi^2 for that mass),
     which pulls a~ toward 0 where the control variate's variance is dominated by a tail the fit cannot see (the

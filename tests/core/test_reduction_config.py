@@ -1,7 +1,8 @@
 """`reductions.ReductionConfig`: the fit's priors and a switch for each part, and its thresholds as conditions.
 
-* The defaults are the presets' behaviour (the module constants), and every switch and prior is wired: changing it
-  changes the statistics of a batch where the part acts.
+* The defaults are the presets' behaviour, written once (`reduction_settings.ReductionConfig`), and every switch and
+  prior is wired: changing it changes the statistics of a batch where the part acts. Each switch's benefit:
+  tests/core/test_reduction_switches.py.
 * Every setting keeps the expected gradient exact (each is a function of the other rows, or the fade of the row's own
   prefix), on- and off-policy, with task advantages and the termination control variate: exact enumeration.
 * The two thresholds stated as conditions: `variance_floor` must lie above the rounding of the leave-one-out sums
@@ -19,9 +20,9 @@ import torch
 from torch import Tensor
 
 from kl_adapters import EndOfSequence, TaskAdvantages, kl_coefficients, kl_statistics
-from kl_adapters import reductions
+from kl_adapters import reduction_settings, reductions
 from kl_adapters.audit import batch_moments, random_policies, relative_error
-from kl_adapters.reductions import ReductionConfig, reduction_config
+from kl_adapters.reduction_settings import ReductionConfig, reduction_config
 
 DEFAULT = ReductionConfig()
 #: a setting of each field that differs from its default (a prior moved, a switch off)
@@ -31,13 +32,15 @@ CHANGED = {"tail_z": 0.5, "cv_prior_tokens": 0.0, "joint_prior_tokens": 0.0, "fi
            "unseen_tail": False, "james_stein": False, "off_policy_task_weight": False, "baseline_fade": False}
 
 
-def test_the_defaults_are_the_module_constants():
-    assert (DEFAULT.tail_z, DEFAULT.cv_prior_tokens, DEFAULT.joint_prior_tokens, DEFAULT.fit_prior_dof,
-            DEFAULT.variance_floor, DEFAULT.log_relative_weight_floor, DEFAULT.baseline_free_log_weight) == (
-        reductions.TAIL_Z, reductions.CV_PRIOR_TOKENS, reductions.JOINT_PRIOR_TOKENS, reductions.FIT_PRIOR_DOF,
-        reductions.VARIANCE_FLOOR, reductions.LOG_RELATIVE_WEIGHT_FLOOR, reductions.BASELINE_FREE_LOG_WEIGHT)
+def test_the_defaults_are_written_once_and_every_switch_is_on():
+    """One source: the defaults are `ReductionConfig`'s (kl_adapters/reduction_settings.py), with no module constant
+    of the same name beside them; every field says what it sets; every switch is on by default."""
+    names = {f.name for f in fields(ReductionConfig)}
+    assert not [n for n in (*dir(reductions), *dir(reduction_settings)) if n.isupper() and n.lower() in names]
+    assert all(f.metadata.get("help") for f in fields(ReductionConfig))
     assert all(getattr(DEFAULT, f.name) is True for f in fields(ReductionConfig) if f.type in (bool, "bool"))
-    assert set(CHANGED) == {f.name for f in fields(ReductionConfig)}
+    assert set(CHANGED) == names
+    assert reductions.ReductionConfig is ReductionConfig and reductions.reduction_config is reduction_config
     assert reductions.active_reduction_config() == DEFAULT
     with reduction_config(ReductionConfig(fit=False)) as config:
         assert reductions.active_reduction_config() is config
@@ -118,7 +121,7 @@ def test_the_variance_floor_lies_above_the_rounding_of_the_leave_one_out_sums():
 def test_the_variance_floor_lies_below_the_variance_of_a_feature_the_fit_should_use():
     """The prefix KL of the other rows varies by 1% around 1 (centred variance 1e-4 of its raw second moment, far
     above rounding) and the preset's return is minus its deviation: lambda = 1 removes it, times the ridge's
-    tokens / (tokens + JOINT_PRIOR_TOKENS) and the shrinkage dof / (dof + FIT_PRIOR_DOF). A floor at 1e-2 of the raw
+    tokens / (tokens + joint_prior_tokens) and the shrinkage dof / (dof + fit_prior_dof). A floor at 1e-2 of the raw
     moment would leave the feature out (lambda = 0)."""
     gen = torch.Generator().manual_seed(1)
     B, T = 6, 8
@@ -131,7 +134,7 @@ def test_the_variance_floor_lies_below_the_variance_of_a_feature_the_fit_should_
         return reductions.batch_statistics(returns, zero, zero, None, mask, mask, None).past_coef
 
     tokens, dof = (B - 1) * T, (B - 2) * T
-    expected = tokens / (tokens + 4.0) * dof / (dof + 8.0)
+    expected = tokens / (tokens + DEFAULT.joint_prior_tokens) * dof / (dof + DEFAULT.fit_prior_dof)
     assert torch.allclose(past_coef(), torch.full((B,), expected, dtype=torch.float64), rtol=0.02)
     with reduction_config(replace(DEFAULT, variance_floor=1e-2)):
         assert torch.all(past_coef() == 0)
@@ -152,4 +155,4 @@ def test_relative_returns_are_exact_within_the_weight_floor_and_finite_beyond(dt
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0)
     far = reductions.relative_returns(x, mask, torch.full((1, T), -10.0, dtype=dtype))
     assert torch.isfinite(far).all()
-    assert -math.log(torch.finfo(torch.float32).max) + 20 < reductions.LOG_RELATIVE_WEIGHT_FLOOR <= -50
+    assert -math.log(torch.finfo(torch.float32).max) + 20 < DEFAULT.log_relative_weight_floor <= -50

@@ -156,12 +156,12 @@ def test_rows_with_fewer_than_two_others_get_the_plain_form():
 
 
 def test_small_fits_are_shrunk_toward_the_plain_form():
-    """Every statistic of row b is the fit times dof / (dof + FIT_PRIOR_DOF), dof = sum_t (n_t - 1) over the other rows'
+    """Every statistic of row b is the fit times dof / (dof + fit_prior_dof), dof = sum_t (n_t - 1) over the other rows'
     tokens n_t at each position: a group of 3 rows of 3 tokens gets 2 / 10 of its fit (the exact audit's tiny groups,
     where the full fit made the trainer's gradient noisier than sequence-plain's), a row with one other row none."""
     from kl_adapters import reductions
 
-    assert reductions.FIT_PRIOR_DOF == 8.0
+    assert reductions.ReductionConfig().fit_prior_dof == 8.0
     count = torch.tensor([[2.0, 2.0, 2.0], [1.0, 1.0, 0.0], [3.0, 3.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     expected = torch.tensor([3 / 11, 0.0, 4 / 12, 0.0], dtype=torch.float64)
     assert torch.allclose(reductions.fit_shrinkage(count), expected)
@@ -183,14 +183,14 @@ def test_an_unseen_upper_tail_of_xi_pulls_the_control_variate_toward_zero():
     """pi has suppressed a token that pi_ref allows (pi 0.01, pi_ref 0.5); the other token (pi 0.99, pi_ref 0.5) gives
     xi = 0.5 / 0.99 - 1 each time. E_pi[xi] = 0, so a sum of xi far below 0 says the rare xi = 49 was not drawn: a~ of
     a row whose other rows never drew it falls from ~0.95 (the regression on the drawn tokens alone) to
-    (-sum k1 xi + M log(1 + M)) / (sum xi^2 + M^2), M = -sum xi - TAIL_Z sqrt(sum xi^2) (`reductions.unseen_tail`);
+    (-sum k1 xi + M log(1 + M)) / (sum xi^2 + M^2), M = -sum xi - tail_z sqrt(sum xi^2) (`reductions.unseen_tail`);
     once another row holds the tail token the sum is balanced and the plain regression is kept (the long-horizon
     problem near pi*: `sequence` 3.97x -> 0.92x `sequence-plain`'s task + KL variance, docs/variance.md)."""
     import math
 
     from kl_adapters import reductions
 
-    assert reductions.TAIL_Z == 2.0
+    assert reductions.ReductionConfig().tail_z == 2.0
     k1 = torch.full((4, 25), math.log(0.99 / 0.5), dtype=torch.float64)
     mask = torch.ones_like(k1)
     unseen = reductions.token_coefficients(k1, torch.expm1(-k1), mask, None).cv_scale

@@ -23,8 +23,8 @@ advantages (dr_grpo: r_i - mean_j r_j on every token, the harness's) and, under 
 statistics, fitted with those advantages and with pi(EOS | y_<t) of the sampling policy, which the harness's forward
 supplies (harness.batch_logps_and_eos) the way OpenRLHF's rollout forward carries it to the experience maker (on
 action_log_probs, openrlhf/eos_payload.LogProbsWithEos); the maker's KL controller holds the previous step's kl_ctl
-(OpenRLHF's holds the coefficient set before the rollout; the harness's per-step kl_ctl below depends on the step's own
-token count). OpenRLHF's own KL configurations get the harness's advantages r_i - mean_j r_j directly (the same). Then
+(OpenRLHF's holds the coefficient set before the rollout; bench/kl_budget.py changes kl_ctl from step to step).
+OpenRLHF's own KL configurations get the harness's advantages r_i - mean_j r_j directly (the same). Then
 **openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.training_step** on that one Experience (on-policy: PPO's ratio is 1,
 its clip never acts), with loss_batch_info from OpenRLHF's own iter_grad_accum_global_norm (what ppo_train passes; one
 micro-batch = one optimizer step, gas 1). training_step runs OpenRLHF's Actor.forward around the harness's model (where
@@ -39,17 +39,16 @@ tests/openrlhf/openrlhf_harness.cli_args) with --algo.kl.use_loss --algo.kl.esti
 its actors).
 
 Beta (kl_ctl, = --algo.kl.init_coef with OpenRLHF's fixed KL controller), with beta the objective's coefficient, G the
-group size and N_tok the step's completion-token count (OpenRLHF's batch_num_tokens):
-  * OpenRLHF's own KL loss (k3, unbiased_gradient) is a token mean like its task loss, so the task gradient is
-    (G-1)/N_tok grad E[r] (group-mean baseline) and the KL's is kl_ctl * G/N_tok * (per-sequence KL gradient estimate):
+group size and N_tok the step's completion-token count (OpenRLHF's batch_num_tokens): the task loss is a token mean,
+(G-1)/N_tok grad E[r] (group-mean baseline), and so is every KL configuration's, OpenRLHF's own (k3, unbiased_gradient:
+kl_ctl / N_tok per token) and the adapter's (--algo.kl.preset: kl_ctl / N_tok times the sum over the G sequences of the
+per-sequence KL gradient estimate, the policy loss's normaliser), so
         kl_ctl = beta (G-1)/G                    (= harness.kl_coefficient; constant)
-  * under --algo.kl.preset the adapter weighs the *sequence* KL by kl_ctl / N_seq (N_seq = G non-empty sequences)
-    while the task stays a token mean: gradient (G-1)/N_tok grad E[r] - kl_ctl grad KL_seq, hence, per step,
-        kl_ctl = beta (G-1)/N_tok = harness.kl_coefficient * G / N_tok
-    which makes the step's gradient (G-1)/N_tok * grad(E[r] - beta KL_seq): the objective up to a positive factor.
-    (N_tok is the sampled group's own count, so the factor is random; its correlation with the gradient estimate is
-    O(1/G).) args.algo.kl.init_coef is set to that value before each step and passed as kl_ctl.
-  * beta=0: --algo.kl.init_coef 0 (OpenRLHF then computes no KL).
+makes the step's gradient (G-1)/N_tok * grad(E[r] - beta KL_seq) under the adapter: the objective up to a positive
+factor (N_tok is the sampled group's own count, so the factor is random; its correlation with the gradient estimate
+is O(1/G)). The committed results (bench/results/demo_openrlhf*) ran before the adapter took the policy loss's
+normaliser (it weighed the sequence KL by kl_ctl / N_seq then), with kl_ctl = beta (G-1)/N_tok per step: the same
+gradient. beta=0: --algo.kl.init_coef 0 (OpenRLHF then computes no KL).
 
 The training step itself (`OpenRLHFStep`) takes an Experience from its subclass: `OpenRLHFLoss` makes the toy group's
 at every step; bench/task_openrlhf.py's takes a generation round's rows on the task benchmark.
@@ -73,8 +72,7 @@ SPECS: dict[str, tuple[list[str], str | None, str]] = {
                                       "recommends)"),
     "unbiased_gradient": (["--algo.kl.unbiased_gradient"], None,
                           "... k3 --algo.kl.unbiased_gradient (OpenRLHF's fix, PR #1309: k1 per-token gradient)"),
-    "kl_adapters:sequence": ([], "sequence", "... k3 --algo.kl.preset sequence (kl-adapters, per-step kl_ctl = "
-                                             "beta (G-1)/N_tok)"),
+    "kl_adapters:sequence": ([], "sequence", "... k3 --algo.kl.preset sequence (kl-adapters, kl_ctl = beta (G-1)/G)"),
     "kl_adapters:sequence-plain": ([], "sequence-plain", "... k3 --algo.kl.preset sequence-plain (without the "
                                                          "variance reductions)"),
     "beta=0": ([], None, "... k3 --algo.kl.init_coef 0 (no KL term)"),
@@ -138,8 +136,8 @@ class OpenRLHFStep:
     `.metrics`. Subclasses say where the Experience comes from (`experience(model, batch)`): `OpenRLHFLoss` (the toy
     problem's group) and bench/task_openrlhf.py's `TaskOpenRLHFLoss` (a generation round's rows).
 
-    coef: OpenRLHF's kl_ctl of its own KL losses; under the adapter's flag kl_ctl = coef * rows / N_tok per step
-    (`kl_ctl`, module docstring), rows the sequences of one optimizer step. kl-adapters' activation is per process (as
+    coef: the kl_ctl of every KL configuration (`kl_ctl`, module docstring); rows: the sequences of one optimizer step
+    (OpenRLHF's micro_train_batch_size). kl-adapters' activation is per process (as
     in OpenRLHF, one trainer per actor process): constructing one switches off whatever an earlier one switched on,
     then parses this configuration's flags (`argv`, `cli_argv`). Use one at a time."""
 
@@ -186,10 +184,10 @@ class OpenRLHFStep:
         if self.trainer is None or model is not self.model:
             self._build(model)
 
-    def kl_ctl(self, num_tokens: float) -> float:
-        if self.config == "beta=0":
-            return 0.0
-        return self.coef * self.rows / num_tokens if self.adapter else self.coef
+    def kl_ctl(self) -> float:
+        """The step's kl_ctl: coef (OpenRLHF's and the adapter's KL losses share the policy loss's normaliser N_tok);
+        bench/kl_budget.py replaces it by its controller's value."""
+        return 0.0 if self.config == "beta=0" else self.coef
 
     def experience(self, model, batch):
         raise NotImplementedError
@@ -201,7 +199,7 @@ class OpenRLHFStep:
         self.built_for(model)
         experience = self.experience(model, batch)
         ((experience, info),) = iter_grad_accum_global_norm([experience], self.strategy, 1, lambda e: e.action_mask)
-        kl_ctl = self.kl_ctl(float(info["batch_num_tokens"]))
+        kl_ctl = self.kl_ctl()
         self.args.algo.kl.init_coef = kl_ctl  # OpenRLHF's FixedKLController value = init_coef
         status = self.trainer.training_step(experience, kl_ctl, 0, info)
         loss, self.strategy.loss = self.strategy.loss, None
@@ -239,7 +237,6 @@ class OpenRLHFLoss(OpenRLHFStep):
         from kl_adapters.demo.harness import batch_logps_and_eos
 
         mask = batch.completion_mask
-        num_tokens = float(mask.sum())
         attention = torch.cat([torch.ones_like(mask[:, :1], dtype=torch.long), mask.long()], 1)
         fields = dict(sequences=batch.input_ids, attention_mask=attention, action_mask=mask,
                       base_action_log_probs=batch.ref_logp, index=list(range(mask.shape[0])), info={})
@@ -249,7 +246,7 @@ class OpenRLHFLoss(OpenRLHFStep):
             _, prob, is_eos = batch_logps_and_eos(self.problem, model, batch)
         experience = Experience(**fields, action_log_probs=with_eos(batch.old_logp, EosPayload(prob, is_eos)),
                                 rewards=batch.rewards, kl=torch.zeros_like(batch.old_logp))
-        current = self.kl_ctl(num_tokens)
+        current = self.kl_ctl()
         self.maker.kl_ctl = FixedKLController(current if self.previous_kl_ctl is None else self.previous_kl_ctl)
         self.previous_kl_ctl = current
         (experience,) = self.maker.compute_advantages_and_returns([experience])
@@ -274,10 +271,11 @@ def run(problem, config: str, seed: int, settings) -> tuple[list[dict], list[dic
 
 def check(problem, configs: list[str]):
     """`gradient_check.check`'s inputs: an OpenRLHFLoss per configuration (G = 2; made right before its enumeration,
-    the activation being per process), the seed-0 policy, and the KL scale grad = kl_coefficient / N_tok * sum_rows g
-    (module docstring; tests/openrlhf/test_demo_runner.py's identities). Under the adapter flag that identity needs
-    the batch to hold the G = 2 rows its kl_ctl = beta (G-1)/N_tok is set for, so every kl-adapters configuration is
-    enumerated over pairs (a per-sample preset has the same expectation over pairs as over single completions)."""
+    the activation being per process), the seed-0 policy, and the KL scale of a token-mean loss, grad =
+    kl_coefficient / N_tok * sum_rows g (module docstring; tests/openrlhf/test_demo_runner.py's identities). Every
+    kl-adapters configuration is enumerated over pairs: its experience goes through OpenRLHF's
+    compute_advantages_and_returns, which groups rows by n_samples_per_prompt = G (a per-sample preset has the same
+    expectation over pairs as over single completions)."""
     import functools
 
     from kl_adapters.demo.harness import kl_coefficient

@@ -31,8 +31,9 @@ Units of beta and what runs, per part (G completions per step, token-mean task l
             step; verl's default 10000 moves beta at most 0.5% per step here), through apply_kl_penalty +
             compute_advantage(grpo, no std) + ppo_loss.
   openrlhf  bench/demo_openrlhf.py's OpenRLHFLoss (--algo.kl.use_loss, k3). Budget: --algo.kl.preset sequence,
-            kl_ctl = the budget's beta (the adapter's per-sequence beta; beta* ~ beta* (G-1)/G / E_ref[length]), the
-            harness playing PPOTrainer's role (the adapter's train_step wrapper: beta as kl_ctl, updated from the
+            kl_ctl = the budget's beta (init_coef's units, the KL over the policy loss's token count; beta* = beta*
+            (G-1)/G; bench/results/kl_budget_openrlhf.* ran when the adapter weighed the sequence KL per sequence,
+            with beta* (G-1)/G / E_ref[length] there, docs/kl_budget.md), the harness playing PPOTrainer's role (the adapter's train_step wrapper: beta as kl_ctl, updated from the
             step's kl_adapters/seq_kl). Native: --algo.kl.target <the same target>, OpenRLHF's
             AdaptiveKLController(init_coef, target, horizon = 10 G) updated with the step's "kl" (its token-mean k3)
             and G, as PPOTrainer.train_step does; beta* = beta* (G-1)/G.
@@ -92,7 +93,7 @@ CONFIGS: dict[str, dict[str, str]] = {
              "fixed beta*": "actor.kl_loss_type=kl_adapters:sequence, kl_loss_coef = beta*"},
     "openrlhf": {"kl_target (loss)": "--algo.kl.preset sequence with the budget's beta as kl_ctl",
                  "openrlhf adaptive (loss)": "--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.target <target>",
-                 "fixed beta*": "--algo.kl.preset sequence, kl_ctl = beta* (G-1)/N_tok per step"},
+                 "fixed beta*": "--algo.kl.preset sequence, kl_ctl = beta* (G-1)/G"},
 }
 
 
@@ -225,7 +226,7 @@ def run_openrlhf(run: Run, problem, target: float):
 
             loss = OpenRLHFLoss(problem, "openrlhf-default-k3", run.group)
             controller = AdaptiveKLController(run.start * coef, target, HORIZON_PER_SAMPLE * run.group)
-            loss.kl_ctl = lambda num_tokens: controller.value
+            loss.kl_ctl = lambda: controller.value
             betas = []
 
             def native(model, batch):
@@ -237,33 +238,19 @@ def run_openrlhf(run: Run, problem, target: float):
             history = train(problem, native, seed=run.seed, steps=run.steps, group=run.group, learning_rate=run.lr)
             return history, betas, [m.get("kl_adapters/seq_kl") for m in loss.metrics]
         loss = OpenRLHFLoss(problem, "kl_adapters:sequence", run.group)
-        # the adapter's beta per sequence at the reference: beta* (G-1)/G / E_ref[length] (`demo_openrlhf` docstring)
-        beta_star = coef / reference_length(problem, run.seed)
-        fixed = run.config == "fixed beta*"  # OpenRLHFLoss's own kl_ctl: beta* (G-1)/N_tok of each step
         current = {}
-        if not fixed:
-            loss.kl_ctl = lambda num_tokens: current["beta"]
+        loss.kl_ctl = lambda: current["beta"]  # the budget's (fixed beta*: beta* (G-1)/G, never moving)
 
         def step(model, batch, beta):
             current["beta"] = beta
             out = loss(model, batch)
             return out, loss.metrics[-1]["kl_adapters/seq_kl"]
 
-        controlled = Controlled(budget_for(run, target, beta_star), step)
+        controlled = Controlled(budget_for(run, target, coef), step)
         history = train(problem, controlled, seed=run.seed, steps=run.steps, group=run.group, learning_rate=run.lr)
-        betas = ([m["kl_ctl"] * reference_length(problem, run.seed) / coef * problem.beta for m in loss.metrics]
-                 if fixed else [b / beta_star * problem.beta for b in controlled.betas])
-        return history, betas, controlled.estimates
+        return history, [b / coef * problem.beta for b in controlled.betas], controlled.estimates
     finally:
         kl_adapters.disable()
-
-
-def reference_length(problem, seed: int) -> float:
-    """E[completion length] under the seed's reference policy (exact)."""
-    from kl_adapters.demo.problem import sequence_logprobs
-
-    p = sequence_logprobs(problem, problem.model(seed)).exp()
-    return float((p * problem.space.mask.sum(-1).double()).sum())
 
 
 RUNNERS = {"rules": run_rules, "trl": run_trl, "verl": run_verl, "openrlhf": run_openrlhf}

@@ -18,17 +18,18 @@ functions keep the round as rows (split_experience_batch, remove_padding_in_sequ
 (make_experience_batch).
 
 Beta: TRL's loss_type "dapo" (trl_run) adds beta * k3_t to every token and divides task and KL by the step's token
-count N_tok. OpenRLHF's own KL losses (k3, unbiased_gradient) are a global token mean like its policy loss:
-kl_ctl = --algo.kl.init_coef = beta. Under --algo.kl.preset the adapter weighs the *sequence* KL by kl_ctl / N_seq while
-the task stays a token mean, so kl_ctl = beta * N_seq / N_tok per step (N_seq = rl.batch, `OpenRLHFStep.kl_ctl`,
-set as init_coef before each step as bench/demo_openrlhf.py does): the KL gradient is then beta / N_tok * sum_b
-grad KL_b, TRL's weight of the sequence KL. beta=0: --algo.kl.init_coef 0. Pinned by
+count N_tok. OpenRLHF's own KL losses (k3, unbiased_gradient) are a global token mean like its policy loss, and the
+adapter's KL takes the policy loss's normaliser N_tok too (kl_ctl / N_tok times the sum over the step's sequences of
+grad KL_b, TRL's weight of the sequence KL): kl_ctl = --algo.kl.init_coef = beta in every configuration
+(`OpenRLHFStep.kl_ctl`). The committed results (bench/results/task/task_short_openrlhf.*) ran before the adapter took
+that normaliser (it weighed the sequence KL by kl_ctl / N_seq then) with kl_ctl = beta * N_seq / N_tok per step: the same
+gradient (N_seq = rl.batch, every completion non-empty). beta=0: --algo.kl.init_coef 0. Pinned by
 tests/openrlhf/test_task_harness.py::test_beta_means_trls.
 
 Rollout statistics (kl_adapters:sequence): fitted once per round in the experience maker, within its prompt groups,
-with the sampling policy's pi(EOS) and OpenRLHF's advantages against beta = the KL controller's value x the previous
-round's mean length (the first round: the KL term alone); the controller holds init_coef, i.e. the last step's
-kl_ctl, as OpenRLHF's holds the value set before the rollout.
+with the sampling policy's pi(EOS) and OpenRLHF's advantages against beta = the KL controller's value, init_coef (the
+committed results: the previous round's kl_ctl x its mean length, from the second round on; the first round was fitted
+to the KL term alone).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 CONFIGS = {
     "openrlhf-default-k3": "--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef beta",
     "unbiased_gradient": "... k3 --algo.kl.unbiased_gradient (OpenRLHF's fix, PR #1309)",
-    "kl_adapters:sequence": "... --algo.kl.preset sequence (the launcher), kl_ctl = beta B / N_tok per step",
+    "kl_adapters:sequence": "... --algo.kl.preset sequence (the launcher), kl_ctl = beta",
     "kl_adapters:sequence-plain": "... --algo.kl.preset sequence-plain (without the variance reductions)",
     "beta=0": "... --algo.kl.init_coef 0 (no KL term)",
 }
@@ -84,7 +85,7 @@ class TaskOpenRLHFLoss(OpenRLHFStep):
             old, ref = self.trainer.actor(**inputs), actor_of(reference)(**inputs)
         experience = Experience(**inputs, action_log_probs=old, base_action_log_probs=ref, rewards=round_.rewards,
                                 kl=torch.zeros_like(round_.old_logp), index=list(range(len(round_.rewards))), info={})
-        self.maker.kl_ctl = FixedKLController(self.args.algo.kl.init_coef)  # the last step's kl_ctl (OpenRLHFStep)
+        self.maker.kl_ctl = FixedKLController(self.args.algo.kl.init_coef)  # kl_ctl (OpenRLHFStep)
         (experience,) = self.maker.compute_advantages_and_returns([experience])
         advantages = experience.advantages[:, 0].float()
         self.items = remove_padding_in_sequences(split_experience_batch(experience))

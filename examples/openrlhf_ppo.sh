@@ -6,8 +6,8 @@
 #      (the same arguments, plus one flag);
 #   2. the flag: --algo.kl.preset sequence (KL as a loss: exact gradient of the sequence KL, on- and off-policy)
 #      or --algo.kl.preset reward (OpenRLHF's default KL-in-reward path, made exact: k1, no clamp, gamma 1);
-#   3. on the loss path, --algo.kl.init_coef: it now weighs the per-sequence KL, so divide a token-mean coefficient by
-#      the mean response length (0.001 at ~500 tokens -> 2e-6). See docs/openrlhf.md.
+#   3. nothing else: --algo.kl.init_coef keeps its strength relative to the policy loss (the KL over the same token
+#      count). See docs/openrlhf.md.
 # Multi-node: start Ray on every node as usual (`ray start --head` / `ray start --address ...`) with kl-adapters
 # installed in every node's Python; the flag reaches every actor with OpenRLHF's own arguments.
 #
@@ -32,7 +32,7 @@ args=(
 )
 case "$MODE" in
   loss)   # KL as a loss; the estimator only sets the logged `kl` value, the preset sets the gradient
-    args+=(--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 2e-6)
+    args+=(--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 0.001)
     args+=(--train.batch_size 256)   # 4 optimizer steps per rollout: `sequence` is exact off-policy too
     args+=(--algo.kl.preset sequence) ;;                                              # kl-adapters
   reward) # KL in the reward (k1, gamma 1, token-mean loss aggregation); init_coef keeps its OpenRLHF meaning

@@ -40,9 +40,9 @@ from .shell import launch_arguments
 MODULES = ("openrlhf.cli.train_ppo_ray", "kl_adapters.adapters.openrlhf_cli")
 FLAG = "--algo.kl.preset"
 
-BETA_LOSS = ("--algo.kl.init_coef then weighs the sequence KL per sequence (kl_surrogate(..., beta=init_coef) over "
-             "the optimizer step's sequences), about the mean response length times stronger than OpenRLHF's "
-             "token-mean KL loss: divide a tuned value by the mean response length to keep its strength")
+BETA_LOSS = ("--algo.kl.init_coef keeps its strength relative to the policy loss: the sequence KL's gradient is "
+             "divided by the policy loss's own normaliser (token-mean: the step's token count, as OpenRLHF's KL loss; "
+             "seq-mean-token-mean: sequences x max response length), so a tuned value carries over unchanged")
 BETA_REWARD = ("--algo.kl.init_coef keeps its OpenRLHF meaning (per-token KL reward coefficient, k1 unclamped by "
                "the adapter)")
 

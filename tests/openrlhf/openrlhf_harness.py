@@ -33,22 +33,24 @@ def param_for_release(argv: list[str], *values):
     reason = "; ".join(f"{flag} arrived in OpenRLHF {LATER_FLAGS[flag][0]}" for flag in missing)
     return pytest.param(argv, *values, marks=pytest.mark.skipif(bool(missing), reason=reason or "-"))
 
-#: the loss-path run: kl_ctl, micro-batch size, gradient accumulation, response lengths of the 8 ragged sequences (the
-#: shorter ones end with EOS), GRPO group size (>= 3: a row's statistics need two other rows of its group), horizon
-BETA, MICRO, GAS = 0.1, 2, 2
+#: the loss-path run: kl_ctl (0.5: over the step's token count, about the mean response length 37/8 times the 0.1 the
+#: suite weighed the KL per sequence with, so the KL part keeps its share of the gradient), micro-batch size, gradient
+#: accumulation, response lengths of the 8 ragged sequences (the shorter ones end with EOS), GRPO group size (>= 3: a
+#: row's statistics need two other rows of its group), horizon
+BETA, MICRO, GAS = 0.5, 2, 2
 RESPONSES = [6, 3, 5, 6, 2, 6, 4, 5]
 GROUP, MAX_NEW_TOKENS = 4, 6
 
 
 def base_argv(model_dir: str) -> list[str]:
     """train_ppo_ray arguments of a 1-GPU group_norm run (2 prompts x 4 samples) with the KL as a k3 loss (init_coef
-    0.1)."""
+    BETA)."""
     return ["--actor.model_name_or_path", model_dir, "--reward.remote_url", "http://127.0.0.1:1",
             "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", str(GROUP),
             "--rollout.batch_size", "2", "--rollout.micro_batch_size", "4", "--actor.num_gpus_per_node", "1",
             "--ref.num_gpus_per_node", "1", "--train.micro_batch_size", "2", "--train.batch_size", "4",
             "--train.max_epochs", "2", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-            "--algo.kl.init_coef", "0.1", "--ds.attn_implementation", "eager",
+            "--algo.kl.init_coef", str(BETA), "--ds.attn_implementation", "eager",
             "--rollout.max_new_tokens", str(MAX_NEW_TOKENS)]
 
 
@@ -185,23 +187,17 @@ def softmax_eos(actor, sequences, attention_mask, action_mask) -> Eos:
     return Eos(torch.where(real, prob, 0.0), (sequences[:, -width:] == EOS) & real)
 
 
-def mean_length(mask) -> float:
-    """N_tok / N_seq of a batch: the length the loss path's task term is scaled with (adapters/openrlhf/statistics._loss_task)."""
-    lengths = mask.sum(-1).float()
-    return float(lengths.sum() / (lengths > 0).sum())
-
-
 def batch_statistics(batch: dict, n_samples_per_prompt: int = GROUP):
     """The rollout-wide statistics the loss path attaches (the adapter's own code), for the batch as one sample batch at
     rollout positions 0..7 (GRPO groups of n_samples_per_prompt), fitted with its advantages (group_norm: normalized,
-    beta = BETA x its mean length) and its behaviour policy's EOS payload."""
+    beta = BETA: token-mean, the KL sharing the policy loss's normaliser) and its behaviour policy's EOS payload."""
     from types import SimpleNamespace
 
     from kl_adapters.adapters.openrlhf.eos_payload import EosPayload
     from kl_adapters.adapters.openrlhf.statistics import RolloutTask, rollout_statistics
 
     rollout = SimpleNamespace(action_mask=batch["action_mask"], index=list(range(len(RESPONSES))))
-    task = RolloutTask([batch["advantages"]], BETA * mean_length(batch["action_mask"]), True)
+    task = RolloutTask([batch["advantages"]], BETA, True)
     return rollout_statistics([rollout], [batch["action_log_probs"]], [batch["base_action_log_probs"]],
                               n_samples_per_prompt, task=task, eos=[EosPayload(*batch["rollout_eos"])],
                               horizon=MAX_NEW_TOKENS)[0]
@@ -268,11 +264,20 @@ def align_row(x, mask):
     return torch.stack([F.pad(row[first:], (0, first)) for row, first in zip(x, firsts)])
 
 
-def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS, statistics=None):
-    """grad of  sum_micro PolicyLoss / gas  +  beta * (1/N_seq) * sum over the step's sequences of kl_surrogate(seq).
+#: the KL divisor D of `reference_grad`, from the optimizer step's token and non-empty sequence counts: the adapter's
+#: per PolicyLoss aggregation (the policy loss's own normaliser), and the upstream patch's per-sequence mean
+DIVISORS = {"token-mean": lambda tokens, sequences: tokens,
+            "seq-mean-token-mean": lambda tokens, sequences: sequences * MAX_NEW_TOKENS,
+            "sequence": lambda tokens, sequences: sequences}
 
-    The KL part is computed one sequence at a time (B = 1), so its divisor is the count N_seq of non-empty sequences
-    in the optimizer step, counted here, not OpenRLHF's normaliser. `settings`: the preset and is_clip. statistics:
+
+def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS, statistics=None,
+                   divisor: str = "token-mean"):
+    """grad of  sum_micro PolicyLoss / gas  +  beta / D * sum over the step's sequences of kl_surrogate(seq).
+
+    The KL part is computed one sequence at a time (B = 1), so its divisor D (`DIVISORS[divisor]`: N_tok, N_seq x the
+    horizon, or N_seq) is counted here from the step's tokens and non-empty sequences, not taken from OpenRLHF's
+    normalisers. `settings`: the preset and is_clip. statistics:
     (batch, its KLStatistics) -- each sequence's kl_surrogate gets its own row's statistics and EndOfSequence (the
     current parameters' `softmax_eos`), on its tokens from its response's start (`align_row`; the statistics are in
     those positions); None: the B = 1 form (presets without batch statistics)."""
@@ -294,12 +299,13 @@ def reference_grad(model, window, trainer, settings, beta: float, gas: int = GAS
         return kl_surrogate(a(logp), a(exp.base_action_log_probs), a(exp.action_mask), preset=settings.preset,
                             old_logp=a(exp.action_log_probs), is_clip=settings.is_clip, **extra)
 
-    task, per_sequence = 0.0, []
+    task, per_sequence, tokens = 0.0, [], 0
     for exp, info in window:
+        tokens += int(exp.action_mask.sum())
         logp = model(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
         task = task + trainer.actor_loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
                                             **info)[0] / gas
         per_sequence += [kl_of(exp, logp, b) for b in range(len(logp)) if exp.action_mask[b].any()]
-    loss = task + beta * torch.stack(per_sequence).sum() / len(per_sequence)
+    loss = task + beta * torch.stack(per_sequence).sum() / DIVISORS[divisor](tokens, len(per_sequence))
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: its adapters
     return torch.cat([g.flatten() for g in torch.autograd.grad(loss, trained)])

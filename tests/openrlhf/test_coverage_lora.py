@@ -1,7 +1,7 @@
 """A LoRA actor (``--ds.lora.rank``): OpenRLHF wraps the policy in a PEFT model whose adapters are the trained
 parameters, while its reference model stays the base checkpoint (a separate actor). Identity pinned, as in
 test_loss_path.py::test_gradient_is_task_plus_kl_surrogate: with ``sequence`` on, every optimizer step's gradient of
-the adapters = grad(OpenRLHF's task loss) + beta * grad[(1/N_seq) sum_b kl_surrogate_b], each row with its rollout
+the adapters = grad(OpenRLHF's task loss) + beta * grad[(1/N_tok) sum_b kl_surrogate_b], each row with its rollout
 statistics and the current policy's pi(EOS) (the adapter reads the EOS ids through the PEFT wrapper)."""
 
 from __future__ import annotations

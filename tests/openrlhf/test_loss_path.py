@@ -23,6 +23,8 @@ from kl_adapters.presets import get_preset
 from openrlhf_harness import (
     BETA,
     GAS,
+    HAS_LOSS_AGG_MODE,
+    HAS_UNBIASED_GRADIENT,
     MAX_NEW_TOKENS,
     align_row,
     base_argv,
@@ -50,12 +52,19 @@ def batch(actor_dir, ref_dir):
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+SEQ_MEAN = pytest.mark.skipif(not HAS_LOSS_AGG_MODE, reason="--actor.loss_agg_mode arrived in OpenRLHF 0.11.2")
+
+
 @pytest.mark.compat
-@pytest.mark.parametrize("device, preset", [("cpu", "sequence"), ("cpu", "sequence:is_clip=1.5"), ("cpu", "reward"),
-                                            ("cpu", "sequence-plain"), ("cpu", "k3-loss"),
-                                            pytest.param("cuda", "sequence", marks=ON_GPU)])
-def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, device, preset):
-    """Every optimizer step's gradient = grad(OpenRLHF's task loss) + beta * grad[(1/N_seq) sum_b kl_surrogate_b].
+@pytest.mark.parametrize("device, preset, agg", [
+    ("cpu", "sequence", "token-mean"), ("cpu", "sequence:is_clip=1.5", "token-mean"), ("cpu", "reward", "token-mean"),
+    ("cpu", "sequence-plain", "token-mean"), ("cpu", "k3-loss", "token-mean"),
+    pytest.param("cpu", "sequence", "seq-mean-token-mean", marks=SEQ_MEAN),
+    pytest.param("cpu", "sequence-plain", "seq-mean-token-mean", marks=SEQ_MEAN),
+    pytest.param("cuda", "sequence", "token-mean", marks=ON_GPU)])
+def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, device, preset, agg):
+    """Every optimizer step's gradient = grad(OpenRLHF's task loss) + beta * grad[(1/D) sum_b kl_surrogate_b], D the
+    policy loss's normaliser: the step's token count N_tok (token-mean), N_seq x the horizon (seq-mean-token-mean).
 
     kl_surrogate_b's gradient is the preset's sum_t c_t grad log pi_t with the behaviour log-probs as old_logp
     (for "sequence": the unbiased off-policy estimate of grad KL_seq); exact to float32 rounding on all 4 steps.
@@ -68,6 +77,9 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
     settings = activation.parse(preset)
     kl_adapters.enable(settings.preset, is_clip=settings.is_clip)
     stats = batch_statistics(batch) if get_preset(settings.preset).uses_batch_statistics else None
+    if agg != "token-mean":
+        args = copy.deepcopy(args)
+        args.actor.loss_agg_mode = agg
     trainer, steps, _ = ppo_train_on(args, actor_dir, batch, device=device, statistics=stats)
     log = trainer.strategy
     own = None if stats is None else (batch, stats)
@@ -75,7 +87,7 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
     for k, grad in enumerate(log.grad_log):
         window = steps[GAS * k:GAS * (k + 1)]
         model = load_params(actor_dir, log.params_log[k])
-        expected = reference_grad(model, window, trainer, settings, BETA, statistics=own)
+        expected = reference_grad(model, window, trainer, settings, BETA, statistics=own, divisor=agg)
         task_only = reference_grad(model, window, trainer, settings, 0.0, statistics=own)
         kl_part = (expected - task_only).norm()
         assert kl_part > 0.1 * expected.norm(), "the KL term must matter in this test"
@@ -110,6 +122,26 @@ def test_gradient_is_task_plus_kl_surrogate(args, actor_dir, batch, cpu_cuda, de
     gap = exp.info[adapter.GRAD_WEIGHT_GAP]  # sum |c_native - c_preset| / sum |c_preset|, native = OpenRLHF's k3 loss
     torch.testing.assert_close(gap, (weights[0] - weights[1]).abs().sum() / weights[1].abs().sum())
     assert gap.dim() == 0 and (gap == 0) == (preset == "k3-loss")
+
+
+@pytest.mark.skipif(not HAS_UNBIASED_GRADIENT, reason="--algo.kl.unbiased_gradient arrived in OpenRLHF 0.11.1")
+def test_token_preset_is_openrlhfs_unbiased_gradient(args, actor_dir, batch, cpu_cuda):
+    """--algo.kl.init_coef keeps OpenRLHF's strength: under preset token:is_clip=10 every optimizer step's gradient
+    (4 steps, gradient accumulation 2, off-policy) is the one OpenRLHF's own --algo.kl.unbiased_gradient loss gives
+    with the same init_coef (per token w_t k1_t grad log pi_t, w_t = pi/pi_old clamped at 10, over the step's token
+    count N_tok, the policy loss's divisor)."""
+    native = copy.deepcopy(args)
+    native.algo.kl.unbiased_gradient = True
+    reference, _, _ = ppo_train_on(native, actor_dir, batch)
+    kl_adapters.enable("token", is_clip=10.0)
+    trainer, steps, _ = ppo_train_on(args, actor_dir, batch)
+    log = trainer.strategy
+    assert len(log.grad_log) == len(reference.strategy.grad_log) == 4
+    for k, (grad, expected) in enumerate(zip(log.grad_log, reference.strategy.grad_log)):
+        model = load_params(actor_dir, log.params_log[k])
+        task_only = reference_grad(model, steps[GAS * k:GAS * (k + 1)], trainer, activation.parse("token"), 0.0)
+        assert (expected - task_only).norm() > 0.1 * expected.norm(), "the KL term must matter in this test"
+        assert (grad - expected).norm() < 1e-4 * (expected - task_only).norm(), f"step {k}"
 
 
 @pytest.mark.compat

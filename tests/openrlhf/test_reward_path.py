@@ -16,7 +16,7 @@ from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters.openrlhf.statistics import KEYS
 from openrlhf_cpu_shim import EOS, VOCAB, load_actor
 from openrlhf_harness import (BETA, GROUP, MAX_NEW_TOKENS, RESPONSES, align_row, base_argv, build_trainer, cli_args,
-                              mean_length, softmax_eos)
+                              softmax_eos)
 
 PROMPT = 4
 
@@ -225,8 +225,8 @@ def test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages(args, 
     """--algo.kl.use_loss, preset "sequence": once compute_advantages_and_returns has made the advantages, each row's
     info holds its leave-one-out statistics of the whole rollout (GRPO groups across sample batches, from the log-probs
     and EOS probabilities of the rollout forward, no second forward), fitted with OpenRLHF's advantages (group_norm:
-    normalized) against beta = kl_ctl x the previous rollout's mean response length; the first rollout, without a
-    previous one, is fitted to the KL term alone. The experiences hold OpenRLHF's plain tensors."""
+    normalized) against beta = kl_ctl (token-mean: the KL shares the policy loss's normaliser N_tok), on every
+    rollout. The experiences hold OpenRLHF's plain tensors."""
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
@@ -236,7 +236,7 @@ def test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages(args, 
     actor, ref = models
     maker = RemoteExperienceMaker(LocalGroup(actor), None, None, LocalGroup(ref), FixedKLController(BETA),
                                   SimpleNamespace(args=loss_args), SimpleNamespace(pad_token_id=0))
-    for call in range(2):
+    for _ in range(2):
         experiences = maker.make_experience_batch(rollout(REWARDS))
         assert all(type(e.action_log_probs) is torch.Tensor for e in experiences)
         width = max(e.action_mask.shape[1] for e in experiences)
@@ -244,7 +244,7 @@ def test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages(args, 
                                 for e in experiences])
         mask = torch.cat([torch.nn.functional.pad(e.action_mask, (0, width - e.action_mask.shape[1]))
                           for e in experiences])
-        task = TaskAdvantages(view(advantages, mask), BETA * mean_length(mask), normalized=True) if call else None
+        task = TaskAdvantages(view(advantages, mask), BETA, normalized=True)
         stats, start = by_hand(experiences, models, task).stats, 0
         for e in experiences:
             rows = slice(start, start + len(e.action_mask))

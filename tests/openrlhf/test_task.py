@@ -12,7 +12,7 @@ import torch
 
 from kl_adapters.adapters.openrlhf import reward as openrlhf_reward
 from kl_adapters.adapters.openrlhf import statistics as openrlhf_statistics
-from openrlhf_harness import BETA, GROUP, HAS_LOSS_AGG_MODE, base_argv, cli_args, mean_length
+from openrlhf_harness import BETA, GROUP, HAS_LOSS_AGG_MODE, base_argv, cli_args
 
 ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline", "reinforce", "gae"]
 WIDTH = 7
@@ -93,23 +93,21 @@ def test_reward_task_is_the_score_part_of_openrlhfs_advantages(args, estimator):
 @pytest.mark.parametrize("agg", ["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.skipif(
     not HAS_LOSS_AGG_MODE, reason="--actor.loss_agg_mode arrived in OpenRLHF 0.11.2"))])
 def test_loss_task_scale(args, agg):
-    """Loss path: token-mean weighs A / N_tok against the adapter's kl_ctl c / N_seq, so the task is A against
-    beta = kl_ctl x the previous rollout's mean response length (none on the first rollout); seq-mean-token-mean
-    weighs A / (L_b N_seq): A / L_b against kl_ctl."""
+    """Loss path: the KL shares the policy loss's normaliser, so token-mean weighs (kl_ctl c - A) / N_tok: A against
+    beta = kl_ctl, from the first rollout on; seq-mean-token-mean weighs (kl_ctl c / H - A / L_b) / N_seq: A / L_b
+    against kl_ctl / H, H the horizon (--rollout.max_new_tokens)."""
     mine = copy.deepcopy(args)
     mine.actor.loss_agg_mode = agg
     maker = SimpleNamespace(args=mine, kl_ctl=SimpleNamespace(value=BETA))
-    first, second = experiences(0), experiences(1)
-    for e in first + second:
-        e.advantages = torch.randn(e.action_mask.shape) * e.action_mask
-    tasks = [openrlhf_statistics._loss_task(maker, first), openrlhf_statistics._loss_task(maker, second)]
-    if agg == "token-mean":
-        assert tasks[0] is None
-        length = mean_length(torch.cat([e.action_mask for e in first]))
-        assert tasks[1].beta == pytest.approx(BETA * length) and tasks[1].normalized
-        assert all(a is e.advantages for a, e in zip(tasks[1].advantages, second))
-    else:
-        for task, exps in zip(tasks, (first, second)):
-            assert task.beta == BETA and task.normalized
+    for exps in (experiences(0), experiences(1)):
+        for e in exps:
+            e.advantages = torch.randn(e.action_mask.shape) * e.action_mask
+        task = openrlhf_statistics._loss_task(maker, exps)
+        assert task.normalized
+        if agg == "token-mean":
+            assert task.beta == BETA
+            assert all(a is e.advantages for a, e in zip(task.advantages, exps))
+        else:
+            assert task.beta == pytest.approx(BETA / mine.rollout.max_new_tokens)
             for a, e in zip(task.advantages, exps):
                 torch.testing.assert_close(a, e.advantages / e.action_mask.sum(-1, keepdim=True))

@@ -39,8 +39,8 @@ def sequence_level(argv: list[str], actor_dir: str, batch: dict) -> dict:
     for k, grad in enumerate(log.grad_log):
         window = steps[GAS * k:GAS * (k + 1)]
         model = load_params(actor_dir, log.params_log[k])
-        expected = reference_grad(model, window, trainer, sequence, BETA)
-        kl_part = expected - reference_grad(model, window, trainer, sequence, 0.0)
+        expected = reference_grad(model, window, trainer, sequence, BETA, divisor="sequence")
+        kl_part = expected - reference_grad(model, window, trainer, sequence, 0.0, divisor="sequence")
         errors[k], share[k] = float((grad - expected).norm() / kl_part.norm()), float(kl_part.norm() / grad.norm())
     exp, info = steps[0]
     with torch.no_grad():

@@ -35,8 +35,10 @@ code):
         (`_wrap_train_step`); driver: ``openrlhf.utils.config.hierarchize`` (`_wrap_hierarchize`)
 
 Math. Loss path (`_loss_term`): OpenRLHF adds ``aggregate_loss(kl) * kl_ctl``; the returned term makes one optimizer
-step's gradient beta * (1/N_seq) * sum over its N_seq sequences of grad kl_surrogate(logp, ref_logp, mask, preset,
-old_logp), beta = kl_ctl, old_logp = ``experience.action_log_probs``: the KL aggregated per sequence. Reward path
+step's gradient beta / D * sum over its sequences of grad kl_surrogate(logp, ref_logp, mask, preset, old_logp),
+beta = kl_ctl, old_logp = ``experience.action_log_probs``, D the policy loss's own normaliser (token-mean: the step's
+token count N_tok; seq-mean-token-mean / gspo: N_seq x the horizon), so init_coef keeps its strength relative to the
+task loss (`loss._wrap_training_step`). Reward path
 (`_wrap_make_experience`): k1 in the reward and returns with gamma = 1 give the PPO gradient at the rollout policy
 beta * (B / N_tok) * grad kl_surrogate(preset, statistics=the rows', eos=the rollout policy's). The reduced presets'
 statistics are leave-one-out over the whole rollout (exact), fitted with OpenRLHF's advantages (`_loss_task`) or

@@ -18,7 +18,7 @@ from ..metrics import GRAD_WEIGHT_GAP, IS_ESS, SEQ_KL
 from .flags import _apply, _settings
 from .positions import _horizon, aligned
 from .state import LOSS_STEP, LossStep
-from .statistics import take
+from .statistics import _token_level, take
 
 #: ActorPPOTrainer's module, whose get_loss_batch_info a dynamic-batching training_step calls
 _PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
@@ -31,21 +31,29 @@ def _wrap_training_step(original: Callable) -> Callable:
     The wrapper makes the optimizer-step normalisers and the batch available to the KL computation, then runs
     OpenRLHF's own training_step. Inside it, OpenRLHF calls ``compute_approx_kl`` through ppo_actor.py's own binding,
     which `_wrap_loss_kl` replaces. OpenRLHF then adds ``aggregate_loss(kl) * kl_ctl``; the tensor returned
-    (`_loss_term`) is built so that this adds, per micro-batch, a gradient of
+    (`_loss_term`) is built so that, after DeepSpeed's 1/gas and dp averaging, one optimizer step's gradient is
 
-        beta * dp_size * B_micro / global_batch_size * grad kl_surrogate(logp, ref_logp, mask, preset, old_logp)
+        beta / D * sum over the step's sequences b of grad kl_surrogate_b(logp, ref_logp, mask, preset, old_logp)
 
-    with beta = kl_ctl (``--algo.kl.init_coef`` or the adaptive value) and global_batch_size OpenRLHF's count of
-    non-empty sequences in the optimizer step over all dp ranks, divided by gradient accumulation. After DeepSpeed's
-    1/gas and dp averaging, one optimizer step's gradient is beta * (1/N_seq) * sum over its N_seq sequences of the
-    per-sequence preset term: the KL is aggregated per sequence, not as OpenRLHF's global token mean.
+    with beta = kl_ctl (``--algo.kl.init_coef`` or the adaptive value) and D the normaliser of OpenRLHF's policy loss
+    (PolicyLoss), so that init_coef keeps its strength relative to the task loss, as TRL's beta and verl's
+    kl_loss_coef do:
+        token-mean (default)          D = N_tok, OpenRLHF's token count of the optimizer step (batch_num_tokens:
+                                      all-reduced over dp ranks, gradient accumulation and dynamic batching included).
+                                      With preset "token:is_clip=10" this is OpenRLHF's own unbiased_gradient loss,
+                                      token for token;
+        seq-mean-token-mean / gspo    D = N_seq * H, N_seq OpenRLHF's count of non-empty sequences of the step
+                                      (global_batch_size) and H the horizon (`positions._horizon`): PolicyLoss divides
+                                      each sequence by its own length, which would make the KL a length-normalized one;
+                                      the constant H instead is TRL's choice for its length-normalised loss types.
     old_logp is ``experience.action_log_probs``, the rollout-time policy recomputed by the trainer (what PPO's ratio
     uses), so later micro-batches and epochs are importance-weighted exactly (preset "sequence"). The reduced presets'
     statistics are the rows' rollout-wide ones (statistics.py, `_wrap_compute_advantages`); OpenRLHF's
     replay buffer carries them into the micro-batches, and training_step hands them to kl_term (``statistics=``) with
     the EndOfSequence of its own forward (the current policy). Experiences not made by a patched experience maker carry
     none: kl_term then fits them on the micro-batch itself, to the KL term alone (still exact, noisier). Pinned by
-    tests/openrlhf/test_loss_path.py::test_gradient_is_task_plus_kl_surrogate and
+    tests/openrlhf/test_loss_path.py (::test_gradient_is_task_plus_kl_surrogate, both aggregations, and
+    ::test_token_preset_is_openrlhfs_unbiased_gradient) and
     test_reward_path.py::test_loss_path_attaches_rollout_statistics_fitted_with_the_advantages."""
 
     @functools.wraps(original)
@@ -59,7 +67,9 @@ def _wrap_training_step(original: Callable) -> Callable:
             loss_batch_info = sys.modules[_PPO_ACTOR].get_loss_batch_info(
                 self.strategy, experience.action_mask, replay_buffer=self.replay_buffer, step=step,
                 dynamic_batch=self.args.train.dynamic_batch_enable)
-        with LOSS_STEP.bound(LossStep(settings, experience, loss_batch_info, statistics, _horizon(self.args))):
+        loss_step = LossStep(settings, experience, loss_batch_info, statistics, _horizon(self.args),
+                             token_mean=_token_level(self.args))
+        with LOSS_STEP.bound(loss_step):
             return original(self, experience, kl_ctl, step, loss_batch_info)
 
     return training_step
@@ -106,23 +116,32 @@ def _loss_kl_term(step: LossStep, logp: Tensor, ref_logp: Tensor) -> KLTerm:
 
 
 def _loss_term(step: LossStep, kl: KLTerm) -> Tensor:
-    """A [B, T] tensor of exact zeros whose gradient, through OpenRLHF's KL loss, is the preset's per-sequence term.
+    """A [B, T] tensor of exact zeros whose gradient, through OpenRLHF's KL loss, is the preset's per-sequence term
+    over the policy loss's normaliser D (`_wrap_training_step`).
 
-    OpenRLHF computes kl_loss = aggregate_loss(kl) = sum(kl * mask) / batch_num_tokens * dp_size and adds
-    kl_loss * kl_ctl (ppo_actor.py:331-338). Spreading s = kl_surrogate(...) * B * batch_num_tokens / global_batch_size
-    evenly over the micro-batch's real tokens makes that gradient kl_ctl * dp_size * B / global_batch_size * grad
-    kl_surrogate, i.e. beta / N_seq per sequence of the optimizer step (see `_wrap_training_step`). The value is
-    s - s.detach() = 0 exactly, so OpenRLHF's ``kl`` metric is unchanged.
+    OpenRLHF computes kl_loss = aggregate_loss(kl) = sum(kl * mask) / batch_num_tokens * dp_size (its token mode,
+    whatever --actor.loss_agg_mode) and adds kl_loss * kl_ctl (ppo_actor.py:331-338). Spreading
+    s = B * kl_surrogate * batch_num_tokens / D (`_tokens_per_normaliser`) evenly over the micro-batch's real tokens makes
+    that gradient kl_ctl * dp_size / D * sum_b grad kl_surrogate_b. The value is s - s.detach() = 0 exactly, so
+    OpenRLHF's ``kl`` metric is unchanged.
     """
-    info = step.loss_batch_info
     term = kl.surrogate()
     m = step.experience.action_mask.to(term.dtype)
-    n_seq = torch.as_tensor(info["global_batch_size"], dtype=term.dtype, device=term.device)
-    n_tok = torch.as_tensor(info["batch_num_tokens"], dtype=term.dtype, device=term.device)
-    # an all-empty window has n_tok = n_seq = 0 and no gradient to give: keep 0/0 out of the graph
-    scale = kl.logp.shape[0] * n_tok / n_seq.clamp(min=torch.finfo(term.dtype).tiny) / m.sum().clamp(min=1)
-    spread = m * (term * scale)
+    total = term * (kl.logp.shape[0] * _tokens_per_normaliser(step, term))
+    spread = m * (total / m.sum().clamp(min=1))
     return spread - spread.detach()
+
+
+def _tokens_per_normaliser(step: LossStep, like: Tensor) -> Tensor | float:
+    """batch_num_tokens / D, D the policy loss's normaliser (`_wrap_training_step`): 1 under the token mean;
+    batch_num_tokens / (global_batch_size * horizon) under seq-mean-token-mean or gspo."""
+    if step.token_mean:
+        return 1.0
+    info = step.loss_batch_info
+    n_tok, n_seq = (torch.as_tensor(info[key], dtype=like.dtype, device=like.device)
+                    for key in ("batch_num_tokens", "global_batch_size"))
+    # an all-empty window has n_tok = n_seq = 0 and no gradient to give: keep 0/0 out of the graph
+    return n_tok / (n_seq * step.horizon).clamp(min=torch.finfo(like.dtype).tiny)
 
 
 def _log_loss_metrics(step: LossStep, kl: KLTerm, estimator: str) -> None:

@@ -34,6 +34,7 @@ class LossStep:
     statistics: KLStatistics | None  # the micro-batch rows' rollout-wide statistics (statistics.take)
     horizon: int  # the maximum response length (`positions._horizon`)
     eos: EosPayload | None = None  # pi(EOS | y_<t) of this step's policy forward (`eos._wrap_actor_forward`), if read
+    token_mean: bool = True  # PolicyLoss's aggregation is the token mean (`statistics._token_level`; `loss._loss_term`)
 
 
 LOSS_STEP: Scoped[LossStep] = Scoped("openrlhf.loss_step")

@@ -131,10 +131,6 @@ def reward_increments(coefficients: Tensor, mask: Tensor) -> Tensor:
     return (c - F.pad(c, (0, 1)).gather(1, after)) * real
 
 
-#: attribute of the RemoteExperienceMaker holding the previous rollout's mean response length (`_loss_task`)
-_MEAN_LENGTH = "_kl_adapters_mean_length"
-
-
 def _wrap_compute_advantages(original: Callable) -> Callable:
     """Wrap ``compute_advantages_and_returns`` (PPOTrainer's RemoteExperienceMaker) so that, once OpenRLHF has made the
     advantages, the loss path's statistics are fitted on the whole rollout with them (`_loss_task`) and with the
@@ -165,24 +161,21 @@ def _attach_loss_statistics(maker: Any, experiences: list, eos: list[EosPayload]
         attach(e, rows)
 
 
-def _loss_task(maker: Any, experiences: list) -> RolloutTask | None:
-    """The task term of the loss path: OpenRLHF's final advantages A, on the scale of the adapter's KL term.
+def _loss_task(maker: Any, experiences: list) -> RolloutTask:
+    """The task term of the loss path: OpenRLHF's final advantages A, on the scale of the adapter's KL term, which
+    shares the policy loss's normaliser (`loss._loss_term`).
 
-    Per token, the step's descent weight is kl_ctl c / N_seq - A / N_tok under PolicyLoss's token mean, i.e. A against
-    beta = kl_ctl N_tok / N_seq (the step's mean response length); that length is taken from the previous rollout
-    (this rollout's would make every row's statistics depend on its own length, which the exactness excludes), and
-    the first rollout, which has none, is fitted to the KL term alone (None). Under seq-mean-token-mean (0.11.2) or
-    gspo the weight is (kl_ctl c - A / L_b) / N_seq: A / L_b against beta = kl_ctl. normalized: `_normalized`.
+    Under PolicyLoss's token mean the step's descent weight per token is (kl_ctl c - A) / N_tok: A against
+    beta = kl_ctl. Under seq-mean-token-mean (0.11.2) or gspo it is (kl_ctl c / H - A / L_b) / N_seq, H the horizon
+    (`positions._horizon`): A / L_b against beta = kl_ctl / H. normalized: `_normalized`. Pinned by
+    tests/openrlhf/test_task.py::test_loss_task_scale.
     """
     args, kl_ctl = maker.args, float(maker.kl_ctl.value)
     normalized = _normalized(args)
-    if not _token_level(args):
-        advantages = [e.advantages / e.action_mask.sum(-1, keepdim=True).clamp(min=1) for e in experiences]
-        return RolloutTask(advantages, kl_ctl, normalized)
-    previous = getattr(maker, _MEAN_LENGTH, None)
-    lengths = torch.cat([e.action_mask.sum(-1) for e in experiences]).float()
-    setattr(maker, _MEAN_LENGTH, float(lengths.sum() / (lengths > 0).sum().clamp(min=1)))
-    return None if previous is None else RolloutTask([e.advantages for e in experiences], kl_ctl * previous, normalized)
+    if _token_level(args):
+        return RolloutTask([e.advantages for e in experiences], kl_ctl, normalized)
+    advantages = [e.advantages / e.action_mask.sum(-1, keepdim=True).clamp(min=1) for e in experiences]
+    return RolloutTask(advantages, kl_ctl / _horizon(args), normalized)
 
 
 def _normalized(args: Any) -> bool:

@@ -81,15 +81,20 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "(trl/trainer/grpo_config.py)"),
     ("trl", "tensor-parallel"): Entry(
         ACCEPTED, "nothing refuses accelerate's parallelism_config with tp_size > 1; not run. It makes the weights "
-        "DTensors, which the reduced presets' pi(EOS) read fails on under FSDP2 (the DeepSpeed ZeRO / FSDP row)"),
+        "DTensors, which the reduced presets' pi(EOS) read gathers whole as under FSDP2 (the DeepSpeed ZeRO / FSDP "
+        "row)"),
     ("trl", "sharding"): Entry(
-        ACCEPTED, "nothing refuses DeepSpeed or FSDP (TrainingArguments `deepspeed` / `fsdp`, or accelerate's config). "
-        "The KL term reads TRL's log-probs and reference log-probs, which sharding does not change; but the reduced "
-        "presets' pi(EOS) read and `full` take `lm_head.weight` from the unwrapped model, outside the gather TRL 1.16 "
-        "does for its own fused head (`maybe_gather_lm_head_ctx`, `DTensor.full_tensor`): under FSDP2 that read "
-        "raises at the first loss step (a RuntimeError mixing Tensor and DTensor, reproduced on CPU with `fully_shard` "
-        "and the adapter's `_eos_gap`), under ZeRO-3 it meets a partitioned, empty weight; `sequence-plain` reads no "
-        "pi(EOS). No test runs TRL under DeepSpeed or FSDP (the data-parallel test runs DDP)"),
+        ACCEPTED, "DeepSpeed or FSDP (TrainingArguments `deepspeed` / `fsdp`, or accelerate's config): the KL term reads "
+        "TRL's log-probs and reference log-probs, which sharding does not change; the reduced presets' pi(EOS) read "
+        "takes lm_head.weight during the policy's forward and gathers it as TRL's fused head does (FSDP2's DTensor "
+        "with `full_tensor()`, ZeRO-3's partitioned weight in TRL's `maybe_gather_lm_head_ctx`). Tested on CPU: "
+        "FSDP2 `fully_shard` over two gloo ranks (tests/trl/test_sharded_eos.py::"
+        "test_fsdp2_sharded_head_gives_the_unsharded_gap), ZeRO-3 with a test stub of DeepSpeed's partitioning "
+        "(DeepSpeed is not installed: "
+        "tests/trl/test_sharded_eos.py::test_zero3_partitioned_head_is_gathered); `full` (a gradient through "
+        "lm_head.weight after the forward) is refused under ZeRO-3 and FSDP at the trainer's construction "
+        "(tests/trl/test_sharded_eos.py::test_full_is_refused_under_sharding). Untested as a whole: no test runs "
+        "TRL's trainer under DeepSpeed or FSDP (the data-parallel test runs DDP)"),
     ("trl", "megatron"): Entry(NOT_APPLICABLE, "TRL has no Megatron engine"),
     ("trl", "data-parallel"): Entry(
         TESTED, "processes under accelerate (DDP; gloo on CPU): the loss-time statistics are fitted on every "
@@ -99,9 +104,13 @@ MATRIX: dict[tuple[str, str], Entry] = {
         ACCEPTED, f"a vision-language model: GRPOTrainer's multimodal batches reach the KL term as text ones do, "
         f"and {_NO_IMAGES}; `full` refuses multimodal inputs"),
     ("trl", "liger"): Entry(
-        REFUSED, "use_liger_kernel=True stops the first loss step (Liger needs a GPU; in trl 1.14.x it also switches "
-        "the log-probs to a chunked Liger path)",
-        "tests/trl/test_guards.py::test_liger_kernel_is_refused"),
+        TESTED, "use_liger_kernel=True: transformers' Trainer swaps the layer kernels (trl >= 1.15 with Liger's fused "
+        "cross-entropy off) and trl 1.14.x computes the log-probs with its own chunked torch path; the loss is still "
+        "TRL's _compute_loss through the adapter (no tested release has a fused Liger GRPO loss; a loss that skipped "
+        "TRL's log-prob method would stop the step in one line naming the release). On CPU the layer-kernel step is "
+        "a named test stub (Liger needs Triton on a GPU); with real kernels: "
+        "tests/trl/test_gpu.py::test_liger_kernels_on_cuda (skipped without CUDA and liger-kernel, not run yet)",
+        "tests/trl/test_liger.py::test_one_step_goes_through_trls_loss"),
     ("trl", "dynamic-batch"): Entry(NOT_APPLICABLE, "GRPOTrainer's batches have a fixed number of sequences"),
     ("trl", "off-policy"): Entry(
         TESTED, "num_iterations > 1, or steps_per_generation not dividing gradient_accumulation_steps: the "

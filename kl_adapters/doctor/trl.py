@@ -194,8 +194,6 @@ def _grpo(report: Report, config) -> None:
         report.paths.append(KLPath("loss", f"kl_preset={settings}, beta={config.beta:g}", config.beta,
                                    adapter_native(settings.spec, f"kl_preset={settings}", "trl")))
         note_budget(report, settings, f"beta={config.beta:g}", "optimizer step", "--kl_target")
-        if config.use_liger_kernel:
-            report.add("refused", "refused", "kl-adapters refuses use_liger_kernel=True (untested) at the first step")
         return
     kl = native.trl_grpo_loss(config.use_bias_correction_kl, config.importance_sampling_level)
     report.paths.append(KLPath("loss", setting, config.beta, kl))

@@ -177,7 +177,7 @@ untested (the doctor warns), Ulysses and ring attention are refused.
 The engine reads pi(EOS) through verl's own `_gather_and_unpad_packed` under sequence parallelism.
 
 * verl's Megatron engine is tested.
-* TRL's `use_liger_kernel` is refused; LoRA is tested in all three frameworks.
+* TRL's `use_liger_kernel` is tested; LoRA is tested in all three frameworks.
 * verl's FSDP engine with remove-padding, dynamic batch size and LoRA against the oracle, Ulysses refused, Megatron
   warned. Packing (refused as untested) reads none.
 

@@ -215,7 +215,7 @@ SUPPORT_BASE = ["--beta", "0.04", "--kl_preset", "sequence"]
 ])
 def test_support_settings_print_their_verdict(key, extra):
     """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
-    when tested, a warning when accepted untested or refused (use_liger_kernel: also the adapter's refusal)."""
+    when tested, a warning when accepted untested or refused."""
     from kl_adapters import support
     from kl_adapters.doctor import format_report
 

@@ -36,15 +36,6 @@ def test_bad_config_raises(overrides, message):
         grpo_args(**overrides)
 
 
-def test_liger_kernel_is_refused(model_dir, dataset, monkeypatch):
-    monkeypatch.delenv(_guard.ALLOW_UNTESTED_ENV, raising=False)
-    trainer = make_trainer(model_dir, dataset)
-    batch = one_batch(trainer)
-    trainer.args.use_liger_kernel = True
-    with pytest.raises(_guard.UnsupportedFrameworkError, match="use_liger_kernel"):
-        trainer.compute_loss(trainer.model, batch)
-
-
 def test_unknown_subclass_overriding_the_loss_is_refused(model_dir, dataset):
     from trl import GRPOTrainer
 

@@ -4,12 +4,11 @@ shares (`per_token_normaliser`), and the refusal of the code paths the adapter i
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from .._guard import ALLOW_UNTESTED_ENV, UnsupportedFrameworkError
+from .._guard import UnsupportedFrameworkError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -30,10 +29,13 @@ def _check_code_path(trainer: GRPOTrainer) -> None:
     the same in all of them: ``_compute_loss`` (KL block, loss types and normalisers) is identical line for line,
     ``compute_loss``'s signature, the ``inputs`` keys, GRPOConfig's KL fields and defaults (beta 0.0,
     use_bias_correction_kl True, loss_type "dapo") and RLOO's k1-in-reward are unchanged (sdists diffed). What differs:
-      * how TRL computes log-probs: 1.14.x slices full logits (or, with use_liger_kernel, a chunked Liger path,
+      * how TRL computes log-probs: 1.14.x slices full logits (or, with use_liger_kernel, TRL's own chunked torch path
         ``_chunked_logps``, reached from compute_loss through ``_forward_redirection``); 1.15.0 adds a fused LM head to the
         model. The adapter takes the log-probs from ``_get_per_token_logps_and_entropies``'s output (``out[0]`` in every
-        release), so it is indifferent to which; use_liger_kernel is refused in every release (here).
+        release), so it is indifferent to which. use_liger_kernel is accepted: besides that 1.14.x path it only makes
+        transformers' Trainer swap the model's layer kernels (1.15+ with fused_linear_cross_entropy off); no tested
+        release has a fused Liger GRPO loss (older releases had one), and a loss that bypassed TRL's log-prob method
+        would stop the step (`loss._compute_loss_with_kl`: no recorded forward). Pinned by tests/trl/test_liger.py.
       * gradient-accumulation scaling: 1.14.x disables Trainer's scaling with ``compute_loss_func="non-None..."``, 1.15.0
         with ``loss_is_scaled_for_ga = True``; in both, ``_compute_loss`` divides by the accumulation steps itself, which
         `per_token_normaliser` reads as ``current_gradient_accumulation_steps`` (unchanged).
@@ -43,11 +45,6 @@ def _check_code_path(trainer: GRPOTrainer) -> None:
       * 1.14.0 and 1.14.1 import ``requests`` unconditionally (trl/generation/vllm_client.py) without declaring it: an
         environment for them needs ``requests`` installed (envs/trl-1.14.0.txt, envs/trl-1.14.1.txt); 1.14.2 fixed it.
     """
-    if trainer.args.use_liger_kernel and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-        raise UnsupportedFrameworkError(
-            "kl-adapters is not tested with use_liger_kernel=True (Liger needs a GPU; in trl >= 1.15 it only swaps layer "
-            "kernels, in trl 1.14.x it also switches the log-probs to a chunked Liger path). "
-            f"Set {ALLOW_UNTESTED_ENV}=1 to proceed anyway.")
     if _normaliser_kind(trainer) is None:
         raise UnsupportedFrameworkError(
             f"{type(trainer).__name__} overrides _compute_loss with an aggregation kl-adapters does not know; "

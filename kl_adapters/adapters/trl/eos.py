@@ -60,7 +60,8 @@ def _eos_gap(hidden: torch.Tensor, input_ids: torch.Tensor, weight: torch.Tensor
 
 def _eos_weight(trainer: GRPOTrainer, lm: torch.nn.Module) -> torch.Tensor | None:
     """The output projection W that `_eos_gap` reads, or None (warned once per trainer) for a head that is not
-    hidden @ W.T: the termination control variate is then left out, and the gradient stays exact."""
+    hidden @ W.T: the termination control variate is then left out, and the gradient stays exact. Read inside the
+    policy's forward (`_head_gap`): FSDP swaps the unsharded weight in there."""
     problem = _head_problem(lm)
     if problem is None:
         return lm.get_output_embeddings().weight
@@ -69,6 +70,24 @@ def _eos_weight(trainer: GRPOTrainer, lm: torch.nn.Module) -> torch.Tensor | Non
         logger.warning("kl-adapters: %s, so pi(EOS) is not read from the hidden state; the reduced presets run without "
                        "their termination control variate (the gradient stays exact)", problem)
     return None
+
+
+def _head_gap(trainer: GRPOTrainer, lm: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
+              width: int) -> torch.Tensor:
+    """`_eos_gap` of one backbone output, W read the way TRL's fused LM head reads it (trl.trainer.utils): during the
+    forward, an FSDP2 DTensor gathered whole with `full_tensor()`, a DeepSpeed ZeRO-3 partitioned weight inside TRL's
+    `maybe_gather_lm_head_ctx` (a null context without ZeRO-3). Both gathers are collectives: every rank reaches them
+    once per backbone call, as it reaches TRL's own. Pinned by tests/trl/test_sharded_eos.py."""
+    from torch.distributed.tensor import DTensor
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    weight = _eos_weight(trainer, lm)
+    eos_ids = torch.tensor(eos_token_ids(trainer), device=hidden.device)
+    with torch.no_grad():
+        if isinstance(weight, DTensor):
+            weight = weight.detach().full_tensor()
+        with maybe_gather_lm_head_ctx(weight):
+            return _eos_gap(hidden, input_ids, weight, eos_ids, width, trainer.temperature)
 
 
 @dataclass
@@ -128,19 +147,18 @@ def _recorded(request: Recording, forward: Callable, *args, **kwargs):
         return forward(*args, **kwargs)
     width = args[3] if len(args) > 3 else kwargs["logits_to_keep"]
     lm = _causal_lm(model, trainer)
-    weight = _eos_weight(trainer, lm) if request.eos else None
-    eos_ids = eos_token_ids(trainer)
+    eos = request.eos and _eos_weight(trainer, lm) is not None
     gaps, hidden = [], []
 
     def hook(module, hook_args, hook_kwargs, output):
         h = _last_hidden(output)
         if request.keep_hidden:
             hidden.append(h)
-        if weight is not None:
+        if eos:
             ids = hook_kwargs["input_ids"] if hook_kwargs.get("input_ids") is not None else hook_args[0]
-            gaps.append(_eos_gap(h, ids, weight, torch.tensor(eos_ids, device=h.device), width, trainer.temperature))
+            gaps.append(_head_gap(trainer, lm, h, ids, width))
 
-    needed = weight is not None or request.keep_hidden
+    needed = eos or request.keep_hidden
     handle = lm.base_model.register_forward_hook(hook, with_kwargs=True) if needed else None
     try:
         out = forward(*args, **kwargs)

@@ -24,6 +24,7 @@ importance_sampling_levels and PEFT/LoRA (TRL's reference log-probs, adapter-dis
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,16 @@ def _log_metrics(trainer, mode, logp, ref, mask, behaviour, term: KLTerm) -> Non
     metrics[IS_ESS].append(totals[6] / totals[7])  # mean over processes
 
 
+def _bypassed(trainer: GRPOTrainer) -> UnsupportedFrameworkError:
+    """The one line when TRL's loss made no call of _get_per_token_logps_and_entropies on the policy (a fused loss,
+    such as the Liger GRPO loss of TRL releases older than the tested ones, computes its own log-probs): the adapter
+    would have no log-probs to put its KL term on. Names the release and, with use_liger_kernel, Liger."""
+    liger = " (use_liger_kernel=True: a fused Liger loss bypasses it)" if trainer.args.use_liger_kernel else ""
+    return UnsupportedFrameworkError(
+        f"trl {importlib.metadata.version('trl')}: {type(trainer).__name__}._compute_loss made no call of "
+        f"GRPOTrainer's _get_per_token_logps_and_entropies{liger}: not the code path kl-adapters is tested with")
+
+
 def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """GRPOTrainer.compute_loss with the KL term replaced by the active preset (see module docstring)."""
     settings = settings_for(self)
@@ -103,8 +114,7 @@ def _compute_loss_with_kl(original, self, model, inputs, return_outputs=False, n
         loss = original(self, model, inputs, return_outputs, num_items_in_batch)
     seen = request.seen
     if not seen:
-        raise UnsupportedFrameworkError(f"{type(self).__name__}._compute_loss made no call of GRPOTrainer's "
-                                        "_get_per_token_logps_and_entropies: not the code path kl-adapters is tested with")
+        raise _bypassed(self)
     logp = seen[0].logps
     mask = _completion_mask(inputs)
     behaviour = behaviour_logps(inputs, logp)

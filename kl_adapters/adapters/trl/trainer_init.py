@@ -31,15 +31,31 @@ def _checked_init(original_init):
         settings = settings_for(self)
         if settings is None:
             return
+        flag = "kl_preset" if getattr(self.args, "kl_preset", None) else activation.ENV_VAR
         if self.beta == 0.0:
-            flag = "kl_preset" if getattr(self.args, "kl_preset", None) else activation.ENV_VAR
             raise activation.SettingError(_zero_beta(f"{flag}={str(settings)!r}"))
+        _check_sharded_head(self, settings, flag)
         if settings.kl_target is not None and budget_of(self) is None:
             check_budget(self.args)
             self.add_callback(KLBudgetCallback(settings.kl_target, self.beta))
         activation.announce("trl", "loss", settings, f"beta {self.beta:g}")
 
     return init
+
+
+def _check_sharded_head(trainer, settings, flag: str) -> None:
+    """Refuse preset `full` where the policy's output projection is sharded (DeepSpeed ZeRO-3, FSDP): its loss takes a
+    gradient through lm_head.weight after the model's forward, where neither framework gathers the weight or reduces
+    its gradient. The reduced presets' pi(EOS) read needs no gradient and gathers the weight itself (`eos._head_gap`).
+    Pinned by tests/trl/test_sharded_eos.py::test_full_is_refused_under_sharding."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    sharding = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else "FSDP" if trainer.is_fsdp_enabled else None
+    if settings.spec.needs_full_logits and sharding is not None:
+        raise UnsupportedFrameworkError(
+            f"{flag}={str(settings)!r} is refused under {sharding}: its gradient through lm_head.weight is taken after "
+            "the model's forward, where the sharded weight is neither gathered nor its gradient reduced; use "
+            "'sequence'")
 
 
 def _check_rloo(original_init):

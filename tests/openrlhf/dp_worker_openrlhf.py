@@ -5,7 +5,9 @@ OpenRLHF's own code runs as in a DeepSpeed data-parallel group: its loss normali
 get_loss_batch_info) all-reduce token and sequence counts over the gloo world, and aggregate_loss multiplies by dp_size.
 DeepSpeed's engine is replaced by the suite's CPU strategy shim (openrlhf_cpu_shim.CPUStrategy) plus the one thing
 DeepSpeed's engine does across ranks for a gradient, averaging it (`DataParallelCPUStrategy`). Arguments: a job file
-(torch.save'd by the test) and an output file pattern; writes this rank's logged optimizer-step gradients.
+(torch.save'd by the test) and an output file pattern; writes this rank's logged optimizer-step gradients. The rank
+refuses to run another kl_adapters than the test's (ROOT_VARIABLE: the directory holding it, which the test also puts
+on the rank's PYTHONPATH; test_data_parallel.same_kl_adapters).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import openrlhf_cpu_shim  # noqa: E402
+
+#: environment variable naming the directory of the test process's kl_adapters (test_data_parallel.same_kl_adapters)
+ROOT_VARIABLE = "KL_ADAPTERS_DP_TEST_ROOT"
 
 
 class DataParallelCPUStrategy(openrlhf_cpu_shim.CPUStrategy):
@@ -55,14 +60,18 @@ def train_rows(args, actor_dir: str, batch: dict, statistics, rows: list[int], m
 
 
 def main(job_path: str, out_path: str) -> None:
-    from kl_adapters import enable
+    import kl_adapters
 
+    expected = os.environ.get(ROOT_VARIABLE)
+    imported = os.path.dirname(os.path.dirname(os.path.realpath(kl_adapters.__file__)))
+    assert expected is None or imported == os.path.realpath(expected), (
+        f"rank imports kl_adapters from {imported}, the test from {expected}")
     job = torch.load(job_path, weights_only=False)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     openrlhf_cpu_shim.install_cuda_shims()
     openrlhf_cpu_shim.CPUStrategy = DataParallelCPUStrategy  # what openrlhf_harness.build_trainer builds
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    enable(job["preset"])
+    kl_adapters.enable(job["preset"])
     grads = train_rows(job["args"], job["actor_dir"], job["batch"], job["statistics"], job["rows"][rank],
                        job["micro"], job["gas"])
     torch.save(grads, out_path.format(rank=rank))

@@ -15,15 +15,21 @@ adapter's loss path. What does not: DeepSpeed's engine (the CPU strategy shim st
 averaging done by one all-reduce; DeepSpeed's CPU accelerator does fall back to gloo, but its init_distributed first
 JIT-compiles a C++ shared-memory op, minutes on a 2-core machine and a compiler in CI), Ray and the experience maker
 (the statistics are the adapter's own rollout-wide ones, computed here as test_loss_path.py does).
+
+Both worlds run the same kl_adapters: the ranks get the directory of the one this process imported on their PYTHONPATH
+(`same_kl_adapters`). Without it, under `python -m pytest` (the checkout on this process's sys.path) the ranks, started
+in tests/openrlhf, would import the copy installed in the environment by scripts/envs.sh, which lags the checkout
+until the environment is rebuilt: world size 2 would then run an older adapter than world size 1.
 """
 
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from dp_worker_openrlhf import train_rows
+from dp_worker_openrlhf import ROOT_VARIABLE, train_rows
 from openrlhf_harness import base_argv, batch_statistics, cli_args, loss_path_batch
 
 import kl_adapters
@@ -35,6 +41,15 @@ HERE = Path(__file__).resolve().parent
 #: float32 rounding of the gradient summed in another order (per rank, then all-reduced) is ~1e-7 of its scale
 RTOL = 1e-5
 WORLD, MICRO, ROWS = 2, 2, 8
+
+
+def same_kl_adapters() -> dict:
+    """The ranks' environment: the directory holding this process's kl_adapters after the suite's PYTHONPATH (the CPU
+    stubs and tests/openrlhf, conftest.py), so every rank imports the kl_adapters this process runs (the checkout under
+    `python -m pytest`, the installed package under scripts/test.sh's bin/pytest); dp_worker_openrlhf.py checks it
+    (ROOT_VARIABLE)."""
+    root = str(Path(kl_adapters.__file__).resolve().parents[1])
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), root])), ROOT_VARIABLE: root}
 
 
 @pytest.mark.parametrize("preset", ["sequence"])
@@ -49,7 +64,7 @@ def test_world_size_2_gradient_is_world_size_1(actor_dir, ref_dir, cpu_cuda, pre
                 "rows": [list(range(r, ROWS, WORLD)) for r in range(WORLD)], "micro": MICRO,
                 "gas": ROWS // WORLD // MICRO}, folder / "job.pt")
     run_ranks(HERE / "dp_worker_openrlhf.py", WORLD, str(folder / "job.pt"), str(folder / "rank{rank}.pt"),
-              timeout=180)
+              timeout=180, env=same_kl_adapters())
     ranks = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     assert len(single) == len(ranks[0]) == len(ranks[1]) == 2
     for step, expected in enumerate(single):

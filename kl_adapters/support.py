@@ -135,9 +135,12 @@ MATRIX: dict[tuple[str, str], Entry] = {
         TESTED, "use_remove_padding=True (verl's default): every micro-batch packed into one row; pi(EOS) of the "
         "packed forwards equals a padded forward's", _VERL_ENGINE),
     ("verl", "sequence-parallel"): Entry(
-        REFUSED, "ulysses_sequence_parallel_size > 1 is refused by verl's validate_config before Ray starts: verl "
-        "exchanges the sequence shards inside flash-attention's forward, which the CPU tests cannot run",
-        "tests/verl/test_coverage_engine.py::test_ulysses_is_refused_before_a_run"),
+        TESTED, "ulysses_sequence_parallel_size > 1 (with use_remove_padding, which verl requires for it): each "
+        "rank's forward makes the logits of its shard of the packed micro-batch; verl gathers the log-probs back "
+        "(gather_outputs_and_unpad) before ppo_loss, and the adapter gathers pi(EOS) with the same call, so every "
+        "preset's KL term sees whole sequences. The test runs verl's Ulysses over two gloo ranks on CPU with a "
+        "test-only stand-in for flash-attention's varlen forward between verl's all-to-alls",
+        "tests/verl/test_sequence_parallel.py::test_ulysses_gradient_is_world_size_1"),
     ("verl", "tensor-parallel"): Entry(
         NOT_APPLICABLE, "the FSDP engines have none; Megatron's is the Megatron row; the rollout's tensor parallelism "
         "only generates"),

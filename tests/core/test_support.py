@@ -145,13 +145,13 @@ def test_the_page_is_the_modules():
 
 def test_the_doctor_lines():
     """Tested: a note naming the test; accepted or refused: a warning saying what happens; not applicable: nothing."""
-    notes, warnings = support.doctor_lines("verl", ["lora", "megatron", "sequence-parallel", "tensor-parallel"])
-    assert notes == [f"LoRA: tested ({support.entry('verl', 'lora').test}; docs/support.md)"]
+    notes, warnings = support.doctor_lines("openrlhf", ["lora", "megatron", "sequence-parallel", "sharding"])
+    assert notes == [f"LoRA: tested ({support.entry('openrlhf', 'lora').test}; docs/support.md)"]
     assert [code for code, _ in warnings] == ["refused-path", "untested-path"]  # the matrix's order
     assert warnings[0][1].endswith("sequence parallelism (Ulysses, ring attention, context parallelism): refused "
-                                   "(tests/verl/test_coverage_engine.py::test_ulysses_is_refused_before_a_run; "
+                                   "(tests/openrlhf/test_cli.py::test_untested_code_path_is_refused; "
                                    "docs/support.md)")
-    assert warnings[1][1].startswith("actor strategy megatron: ")
+    assert warnings[1][1].startswith("OpenRLHF always trains through DeepSpeed")
 
 
 def test_vision_language_names():
@@ -166,7 +166,7 @@ def test_no_page_contradicts_the_matrix(page):
 
 
 def test_the_check_finds_contradictions(tmp_path):
-    """A made-up page: four statements that contradict the matrix (the first and the third as issue 49 found them in
+    """A made-up page: six statements that contradict the matrix (the first and the fourth as issue 49 found them in
     docs/openrlhf.md and docs/verl.md), and consistent ones beside them."""
     page = tmp_path / "verl.md"
     page.write_text("""# verl
@@ -174,7 +174,7 @@ def test_the_check_finds_contradictions(tmp_path):
 OpenRLHF's `--ds.packing_samples` is refused as untested. Megatron and vision-language models are accepted but
 untested (the doctor warns), Ulysses and ring attention are refused.
 
-The engine reads pi(EOS) through verl's own `_gather_and_unpad_packed` under sequence parallelism.
+OpenRLHF's actor reads pi(EOS) through its own gather under ring attention.
 
 * verl's Megatron engine is tested.
 * TRL's `use_liger_kernel` is tested; LoRA is tested in all three frameworks.
@@ -188,6 +188,8 @@ Ulysses runs fine here (code blocks are not read)
     found = contradictions(page)
     assert [f.split(", but: ")[0] for f in found] == [
         "verl.md: packed samples / remove-padding in OpenRLHF is tested",
-        "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in verl is refused",
+        "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in verl is tested",
+        "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in OpenRLHF is refused",
         "verl.md: Megatron in verl is accepted, untested",
+        "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in verl is tested",
         "verl.md: packed samples / remove-padding in verl is tested"], found

@@ -180,7 +180,8 @@ def train(worker, loss_fn, old, ref, adv):
     worker.set_loss_fn(loss_fn)
     td = batch(old_log_probs=old, ref_log_prob=ref, advantages=adv)
     tu.assign_non_tensor(td, global_batch_size=MINI, mini_batch_size=MINI, epochs=1, dp_size=1)
-    return tu.get(worker.train_mini_batch(td), "metrics")
+    output = worker.train_mini_batch(td)  # None where verl returns nothing: Ulysses ranks after a group's first
+    return None if output is None else tu.get(output, "metrics")
 
 
 def params(worker):

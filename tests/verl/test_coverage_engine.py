@@ -4,8 +4,8 @@ micro-batch packed into one row; transformers masks attention per packed sequenc
 (``lora_rank=4``), whose reference is its adapter-disabled base (compute_ref_log_prob's ``no_lora_adapter`` pass). The
 same oracle as test_engine.py (engine_check.py): one SGD step with ``kl_loss_type=kl_adapters:sequence`` equals verl's
 ppo_loss without KL plus kl_surrogate with verl's global token count and the batch statistics, and pi(EOS) of the packed
-forwards equals a separate padded forward's. Ulysses sequence parallelism is not run (verl exchanges its shards inside
-flash-attention's forward): the adapter refuses it, and the doctor says so (test_ulysses_is_refused_before_a_run)."""
+forwards equals a separate padded forward's. Ulysses sequence parallelism (packed micro-batches sharded over ranks):
+test_sequence_parallel.py."""
 
 import importlib.metadata
 import importlib.util
@@ -27,27 +27,6 @@ def test_remove_padding_dynamic_batch_size_and_lora_match_the_oracle():
     # log-probs are the base's) although the policy moved, and it keeps the actor pass's pi(EOS) rows
     assert result["lora_reference_error"] < 1e-6 and result["lora_policy_moved"] > 1e-3
     assert result["lora_kept_eos_rows"] == 8
-
-
-ULYSSES = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence",
-           "actor_rollout_ref.model.use_remove_padding=True",
-           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
-
-
-def test_ulysses_is_refused_before_a_run(monkeypatch, capsys):
-    """verl's validate_config (the driver, before Ray starts) refuses Ulysses with the preset in one line, and the
-    doctor gives the same refusal (verdict refused, exit 3)."""
-    from test_config import compose
-    from verl.trainer import main_ppo
-
-    from kl_adapters.adapters._guard import UnsupportedFrameworkError
-    from kl_adapters.cli import main
-
-    monkeypatch.delenv("KL_ADAPTERS_ALLOW_UNTESTED", raising=False)
-    with pytest.raises(UnsupportedFrameworkError, match="ulysses_sequence_parallel_size=2 .*set KL_ADAPTERS_ALLOW"):
-        main_ppo.validate_config(compose(ULYSSES), use_reference_policy=True, use_critic=False)
-    assert main(["doctor", "verl", *ULYSSES]) == 3
-    assert "ulysses_sequence_parallel_size=2" in capsys.readouterr().out
 
 
 def test_doctor_warns_that_megatron_is_untested(capsys):

@@ -10,6 +10,7 @@ r holds rows r, r + 2, ...: what verl's balance_batch reordering can do); no uid
 leave-one-out over the whole batch). The updates must agree to float32 rounding: max |u2 - u1| / max |u1| < RTOL.
 """
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -18,8 +19,13 @@ import pytest
 import torch
 from verl_cases import flat_log_probs, make_tokens, padded, tiny_llama
 
+import kl_adapters
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_parallel import relative_error, run_ranks  # noqa: E402
+
+#: environment variable naming the directory of the test process's kl_adapters (`same_kl_adapters`)
+ROOT_VARIABLE = "KL_ADAPTERS_DP_TEST_ROOT"
 
 HERE = Path(__file__).resolve().parent
 #: float32 rounding of the gradient summed in another order (per rank, then reduced) is ~1e-7 of its scale
@@ -48,16 +54,30 @@ def job(world: int, folder: Path) -> Path:
     return path
 
 
+def same_kl_adapters() -> dict:
+    """The ranks' environment: the directory holding this process's kl_adapters on their PYTHONPATH, so that they run
+    the same one (under `python -m pytest` the checkout; the ranks, started in tests/verl, would otherwise import the
+    copy installed in .venvs/verl); dp_worker_verl.py checks it (ROOT_VARIABLE)."""
+    root = str(Path(kl_adapters.__file__).resolve().parents[1])
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), root])), ROOT_VARIABLE: root}
+
+
+def rank_updates(make_job, prefix: str, timeout: float = 240) -> dict:
+    """{world size: [each rank's outputs of dp_worker_verl.py]} at world sizes 1 and WORLD, the job file of each
+    made by make_job(world, folder) (also tests/verl/test_sequence_parallel.py)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    out = {}
+    for world in (1, WORLD):
+        run_ranks(HERE / "dp_worker_verl.py", world, str(make_job(world, folder)),
+                  str(folder / f"w{world}r{{rank}}.pt"), timeout=timeout, env=same_kl_adapters())
+        out[world] = [torch.load(folder / f"w{world}r{r}.pt", weights_only=False) for r in range(world)]
+    return out
+
+
 @pytest.fixture(scope="module")
 def updates():
     """{world size: [each rank's {case: parameter update}]}."""
-    folder = Path(tempfile.mkdtemp(prefix="dp_verl_"))
-    out = {}
-    for world in (1, WORLD):
-        run_ranks(HERE / "dp_worker_verl.py", world, str(job(world, folder)), str(folder / f"w{world}r{{rank}}.pt"),
-                  timeout=240)
-        out[world] = [torch.load(folder / f"w{world}r{r}.pt", weights_only=False) for r in range(world)]
-    return out
+    return rank_updates(job, "dp_verl_")
 
 
 @pytest.mark.parametrize("case", CASES)

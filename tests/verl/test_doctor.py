@@ -102,13 +102,17 @@ def test_hazard(overrides, code, severity):
     assert report.exit_code == {"refused": 3, "warning": report.exit_code}.get(severity, 1)
 
 
+def with_fix(overrides: list[str], report) -> list[str]:
+    """The overrides with the report's fix lines in place of the same keys."""
+    keys = {line.split("=", 1)[0] for line in report.fix.lines}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(report.fix.lines)
+
+
 @pytest.mark.parametrize("overrides, code, severity", [h for h in HAZARDS if h[2] != "warning"])
 def test_fix_makes_it_unbiased_and_the_adapter_accepts_it(overrides, code, severity):
     """Re-reading the configuration with the fix's override lines in place of the same keys: exit 0, and the
     adapter's own check (run by verl's patched validate_config before Ray starts) accepts it."""
-    report = doctor(*overrides)
-    keys = {line.split("=", 1)[0] for line in report.fix.lines}
-    fixed = [o for o in overrides if o.split("=", 1)[0] not in keys] + list(report.fix.lines)
+    fixed = with_fix(overrides, doctor(*overrides))
     again = doctor(*fixed)
     assert again.verdict == "unbiased", (fixed, again.hazards)
     adapter.check_config(compose(fixed)[0])
@@ -310,7 +314,7 @@ SUPPORT_BASE = [*LOSS, *ON_POLICY, "actor_rollout_ref.actor.kl_loss_type=kl_adap
 ])
 def test_support_settings_print_their_verdict(key, extra):
     """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
-    when tested, a warning when accepted untested or refused (Ulysses: also the adapter's refusal, verdict refused).
+    when tested, a warning when accepted untested or refused (and then the verdict refused).
     verl's default strategy fsdp is the FSDP row, so the base configuration prints that one already."""
     from kl_adapters import support
     from kl_adapters.doctor import format_report
@@ -321,3 +325,32 @@ def test_support_settings_print_their_verdict(key, extra):
     assert line in format_report(report) and (line in format_report(base)) == (key == "sharding")
     assert (code, line) in [(h.code, h.message) for h in report.hazards] + [(None, n) for n in report.notes]
     assert (report.verdict == "refused") == (code == "refused-path"), report.hazards
+
+
+def ulysses_example() -> list[str]:
+    """A verl Ulysses example: the project's GRPO example (examples/verl_grpo.sh) with verl's default KL loss
+    (low_var_kl) and sequence parallel size 2 (verl requires remove-padding for it)."""
+    from test_config import example_overrides
+
+    return [*(o for o in example_overrides() if not o.startswith("actor_rollout_ref.actor.kl_loss_type=")),
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+
+
+def test_ulysses_fix_exits_0_and_verl_accepts_it(capsys):
+    """Ulysses sequence parallelism is accepted (tests/verl/test_sequence_parallel.py): the example's fix,
+    ``kl_loss_type=kl_adapters:sequence``, re-read exits 0 with the matrix's tested note and no refusal, and verl's
+    own validate_config (with the adapter's check, as in the driver before Ray starts) accepts it."""
+    from verl.trainer import main_ppo
+
+    from kl_adapters import support
+
+    example = ulysses_example()
+    report = doctor(*example)
+    assert report.verdict == "biased" and "actor_rollout_ref.actor.kl_loss_type=kl_adapters:sequence" in report.fix.lines
+    fixed = with_fix(example, report)
+    assert main(["doctor", "verl", *fixed]) == 0
+    out = capsys.readouterr().out
+    (note,), _ = support.doctor_lines("verl", ["sequence-parallel"])
+    assert note in out and "refused" not in out
+    main_ppo.validate_config(compose(fixed)[0], use_reference_policy=True, use_critic=False)

@@ -92,15 +92,19 @@ def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
 
 
 def _like_log_probs(engine, record: tuple[Tensor, Tensor], log_probs: Tensor, output_args: dict):
-    """The recorded (prob, is_eos) of `_record_eos` in the layout of model_output["log_probs"]: verl's own
-    _gather_and_unpad_packed where the record still holds the packed padding (or a sequence-parallel shard), then
-    log_probs' nested offsets."""
+    """The recorded (prob, is_eos) of `_record_eos` in the layout of model_output["log_probs"], made as verl makes
+    log_probs: in the remove-padding forward (the one whose output_args carry "pad_size"), verl's own
+    `_gather_and_unpad_packed(x, pad_size)` -- under Ulysses `gather_outputs_and_unpad` over the sequence-parallel
+    group, which turns each rank's shard of the packed micro-batch into the whole one; without it, the tail padding
+    cut -- then log_probs' nested offsets. Every rank of the group calls the gather, as for log_probs. Pinned by
+    tests/verl/test_sequence_parallel.py (Ulysses over two ranks: the kept pi(EOS) and the update of world size 1)
+    and tests/verl/test_coverage_engine.py (packed = padded)."""
     import torch
 
     packed = torch.stack((record[0], record[1].to(record[0].dtype)), -1).reshape(-1, 2)
     values = log_probs.values() if log_probs.is_nested else log_probs
-    if packed.shape[0] != values.shape[0]:
-        packed = engine._gather_and_unpad_packed(packed, output_args.get("pad_size", 0))
+    if "pad_size" in output_args:
+        packed = engine._gather_and_unpad_packed(packed, output_args["pad_size"])
     if packed.shape[0] != values.shape[0]:
         raise UnsupportedFrameworkError(f"verl's engine made {values.shape[0]} log-probs from logits at "
                                         f"{packed.shape[0]} positions: this verl code path is not the tested one")

@@ -8,7 +8,6 @@ import os
 from ... import activation, native
 from ...activation import ENV_VAR, Settings, parse
 from ...budget import check_budget_preset
-from .._guard import refuse_untested_path
 
 #: verl estimator names starting with this select a preset: "kl_adapters:<KL_ADAPTERS value>"
 PREFIX = "kl_adapters:"
@@ -117,22 +116,7 @@ def check_config(config) -> tuple[str, Settings] | None:
         raise ValueError(f"{f'{key}={name!r}' if name.startswith(PREFIX) else f'{source}={str(default)!r}'}: "
                          f"{err}") from None
     check_budget_config(config, loss, reward)
-    if loss or reward:
-        _check_tested_path(actor)
     return ("loss", loss) if loss else ("reward", reward) if reward else None
-
-
-def _check_tested_path(actor) -> None:
-    """Refuse (`refuse_untested_path`) the actor settings whose code path no test runs: Ulysses sequence parallelism
-    (verl shards each packed sequence and exchanges it inside flash-attention's forward, which needs CUDA). The FSDP
-    engine's remove-padding and dynamic batch size are tested (tests/verl/test_coverage_engine.py)."""
-    sizes = (actor.get("ulysses_sequence_parallel_size", 1),
-             (actor.get("fsdp_config") or {}).get("ulysses_sequence_parallel_size", 1))
-    sp = max((size for size in sizes if isinstance(size, int)), default=1)  # the doctor: unresolved values are text
-    if sp > 1:
-        refuse_untested_path(f"kl-adapters is not tested with actor_rollout_ref.actor.ulysses_sequence_parallel_size="
-                             f"{sp} (Ulysses exchanges sequence shards inside flash-attention, which the CPU tests "
-                             "cannot run)")
 
 
 def check_budget_config(config, loss: Settings | None, reward: Settings | None) -> None:

@@ -55,7 +55,8 @@ class ReductionConfig:
     control_variate: bool = _setting(True, "the coefficient a of the xi control variate (False: zero after the fit, "
                                      "the others as fitted). Pinned: tests/core/test_reduction_switches.py")
     termination: bool = _setting(True, "the coefficient h of the termination control variate (False: zero after "
-                                 "the fit). Pinned: tests/core/test_reduction_switches.py")
+                                 "the fit). Pinned: tests/core/test_reduction_switches.py (a penalized token); it costs "
+                                 "1-8.5% of the variance where a token is rewarded (docs/variance.md, open)")
     past_kl: bool = _setting(True, "the coefficient lambda of the prefix-KL baseline (False: zero after the fit). "
                              "Pinned: tests/core/test_reduction_switches.py")
     baseline: bool = _setting(True, "the per-position baseline m (False: zero after the fit). "
@@ -65,7 +66,8 @@ class ReductionConfig:
     unseen_tail: bool = _setting(True, "count xi's unseen upper tail (`reductions.unseen_tail`) in a~ and in the "
                                  "joint fit. Pinned: tests/trl/test_reduction_benefit_long_horizon.py")
     james_stein: bool = _setting(True, "shrink the per-position means m (`reductions._james_stein`; False: the "
-                                 "means themselves). Pinned: tests/core/test_reduction_switches.py")
+                                 "means themselves). Pinned: tests/core/test_reduction_switches.py (a rewarded token); "
+                                 "it costs 1-14% where a token is penalized (docs/variance.md, open)")
     off_policy_task_weight: bool = _setting(True, "weigh the advantages by `reductions.off_policy_task_weight` "
                                             "off-policy (False: weight 1). Pinned: "
                                             "tests/core/test_reduction_switches.py")

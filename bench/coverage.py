@@ -9,8 +9,9 @@ appended, ``--algo.kl.unbiased_gradient`` dropped; TRL GRPO: ``--kl_preset seque
 option, ``--num_iterations 1 --normalize_advantages false`` and one generation per optimizer step) and is diagnosed
 again: accepted when that verdict is "unbiased" (the adapter's own refusals make it "refused"). Then the features that
 decide the code path are read from the configuration the framework's parser made (`features`), and each non-default
-one is looked up in `TESTED` (the support matrix's test of the setting it turns on, kl_adapters.support, docs/support.md):
-the row is on a tested path when its path has a test and every feature it sets has one.
+one is judged by the support matrix (kl_adapters.support, docs/support.md: `SETTING` names the matrix's setting a value
+turns on, `verdict` reads that entry's status and test; the matrix is the one place that says what is tested): the row
+is on a tested path when its path has a test and every feature it sets has one.
 
 One collection per framework, each in its own environment (the repositories checked out as in
 bench/doctor_examples.py), then the table (any Python):
@@ -28,11 +29,16 @@ again with these mappings gives the committed verdicts.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the checkout's kl_adapters, not a copy installed in the framework's environment (which may predate the checkout's
+# support matrix and refusals); a kl_adapters on PYTHONPATH (the "before" collection's) still comes first
+sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+                str(Path(__file__).resolve().parents[1]))
 
 from doctor_examples import candidates, parse_command  # noqa: E402
 
@@ -50,44 +56,76 @@ PATH_TESTS = {
     ("trl", "reward-native"): "tests/trl/test_rloo.py::test_rloo_advantage_is_loo_baselined_k1_sum",
 }
 
-#: (framework, feature, value) -> the setting of the support matrix (kl_adapters.support) it turns on; the matrix
-#: says whether a test runs it, and which (`TESTED`). verl's fsdp2 is the matrix's FSDP row (its default fsdp, the
-#: value the path test runs, shares the engine's forward, outputs and ppo_loss).
+#: a SETTING value that stands for every number above 1 (a parallel size)
+ABOVE_ONE = "> 1"
+
+#: (framework, feature, value) -> the setting of the support matrix (kl_adapters.support) that value turns on; the
+#: matrix alone says what kl-adapters does there and which test runs it (`verdict`). verl's fsdp2 is the matrix's FSDP
+#: row (its default fsdp, the value the path test runs, shares the engine's forward, outputs and ppo_loss). A
+#: non-default value no entry names has no test (the row is "untested").
 SETTING = {
     ("verl", "strategy", "fsdp2"): "sharding",
     ("verl", "strategy", "megatron"): "megatron",
     ("verl", "use_remove_padding", True): "packing",
     ("verl", "use_dynamic_bsz", True): "dynamic-batch",
+    ("verl", "ulysses_sequence_parallel_size", ABOVE_ONE): "sequence-parallel",
     ("verl", "lora", True): "lora",
+    ("verl", "use_liger", True): "liger",
     ("verl", "vision-language model", True): "vision-language",
     ("openrlhf", "ds.packing_samples", True): "packing",
+    ("openrlhf", "ds.ring_attn_size", ABOVE_ONE): "sequence-parallel",
+    ("openrlhf", "ds.tensor_parallel_size", ABOVE_ONE): "tensor-parallel",
     ("openrlhf", "lora", True): "lora",
+    ("openrlhf", "ds.use_liger_kernel", True): "liger",
     ("openrlhf", "train.dynamic_batch_enable", True): "dynamic-batch",
+    ("openrlhf", "algo.advantage.is_correction_level", "token"): "vllm",
+    ("openrlhf", "algo.advantage.is_correction_level", "seq"): "vllm",
     ("openrlhf", "vision-language model", True): "vision-language",
     ("trl", "vllm_importance_sampling_correction", True): "vllm",
     ("trl", "peft (LoRA reference)", True): "lora",
+    ("trl", "use_liger_kernel", True): "liger",
+    ("trl", "deepspeed / fsdp", True): "sharding",
     ("trl", "vision-language model", True): "vision-language",
 }
 
-#: (framework, feature, value) -> the test that runs the fixed KL path with that feature on: the support matrix's test
-#: of each tested setting, and one KL path option that is no setting of the matrix; a value not listed has no test
-#: (the row is "untested"); a feature at its `DEFAULTS` value is what the path test runs.
-TESTED = {
-    **{feature: support.entry(feature[0], key).test for feature, key in SETTING.items()
-       if support.entry(feature[0], key).status == support.TESTED},
+#: (framework, feature, value) -> its test, for KL path options that are no setting of the support matrix
+PATH_OPTION_TESTS = {
     ("trl", "importance_sampling_level", "sequence"):
         "tests/trl/test_grpo_gradients.py::test_sequence_level_importance_sampling",
 }
 
+
+def setting(framework: str, key: str, value) -> str | None:
+    """The support matrix's setting a feature's value turns on (`SETTING`), None where no entry names it."""
+    found = SETTING.get((framework, key, value)) if not isinstance(value, (list, dict)) else None
+    if found is None and isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        found = SETTING.get((framework, key, ABOVE_ONE))
+    return found
+
+
+def verdict(framework: str, key: str, value) -> tuple[str | None, str | None]:
+    """(the support matrix's status, the test that runs the fixed KL path with the feature at that value, None if
+    none): the matrix's entry of the setting it turns on (a test only where that entry is tested), or a path option's
+    test (`PATH_OPTION_TESTS`); (None, None) for a value no mapping names."""
+    if not isinstance(value, (list, dict)) and (framework, key, value) in PATH_OPTION_TESTS:
+        return support.TESTED, PATH_OPTION_TESTS[framework, key, value]
+    name = setting(framework, key, value)
+    if name is None:
+        return None, None
+    e = support.entry(framework, name)
+    return e.status, e.test if e.status == support.TESTED else None
+
+
 #: the settings `features` reads, at the values the path tests run
 DEFAULTS = {
     "verl": {"strategy": "fsdp", "use_remove_padding": False, "use_dynamic_bsz": False,
-             "ulysses_sequence_parallel_size": 1, "lora": False, "vision-language model": False},
+             "ulysses_sequence_parallel_size": 1, "lora": False, "use_liger": False, "vision-language model": False},
     "openrlhf": {"ds.packing_samples": False, "ds.ring_attn_size": 1, "ds.tensor_parallel_size": 1,
-                 "lora": False, "train.dynamic_batch_enable": False, "algo.advantage.is_correction_level": "off",
-                 "vision-language model": False},
+                 "lora": False, "ds.use_liger_kernel": False, "train.dynamic_batch_enable": False,
+                 "algo.advantage.is_correction_level": "off", "vision-language model": False},
     "trl": {"importance_sampling_level": "token", "vllm_importance_sampling_correction": False,
-            "peft (LoRA reference)": False, "vision-language model": False},
+            "peft (LoRA reference)": False, "use_liger_kernel": False, "deepspeed / fsdp": False,
+            "vision-language model": False},
 }
 
 
@@ -112,6 +150,7 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
                "ulysses_sequence_parallel_size": get("actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
                "lora": _lora(get("actor_rollout_ref.model.lora_rank"))
                or get("actor_rollout_ref.model.lora_adapter_path") is not None,
+               "use_liger": get("actor_rollout_ref.model.use_liger"),
                "vision-language model": support.vision_language(get("actor_rollout_ref.model.path"))}
         # a key the config does not have (Megatron's has no Ulysses size) is at its default
         return {k: DEFAULTS["verl"][k] if v is None else _plain(v) for k, v in out.items()}
@@ -126,6 +165,7 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
                 value = getattr(value, name)
             return value
         special = {"lora": lambda: _lora(get("ds.lora.rank")),
+                   "ds.use_liger_kernel": lambda: bool(getattr(args.ds, "use_liger_kernel", False)),
                    "vision-language model": lambda: support.vision_language(get("actor.model_name_or_path"))}
         return {k: special[k]() if k in special else _plain(get(k)) for k in DEFAULTS["openrlhf"]}
     from kl_adapters.doctor import trl as reader
@@ -136,6 +176,8 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
                                                         and getattr(config, "vllm_importance_sampling_correction",
                                                                     False)),
             "peft (LoRA reference)": _use_peft(argv) or "peft_config=LoraConfig(" in text,
+            "use_liger_kernel": bool(getattr(config, "use_liger_kernel", False)),
+            "deepspeed / fsdp": bool(getattr(config, "deepspeed", None) or getattr(config, "fsdp", None)),
             "vision-language model": support.vision_language(_value(argv, "--model_name_or_path"))}
 
 
@@ -253,9 +295,9 @@ def judge(r: dict) -> dict:
     for key, value in r["features"].items():
         if value == DEFAULTS[framework].get(key) or all(p.endswith("-native") for p in r["kl_paths"]):
             continue
-        test = TESTED.get((framework, key, value))
+        status, test = verdict(framework, key, value)
         if test is None:
-            untested.append(f"{key}={value}")
+            untested.append(f"{key}={value} ({status or 'no test'})")
         tests.append(test)
     accepted = r["after"] == "unbiased"
     return {**r, "accepted": accepted, "tests": sorted({t for t in tests if t}),
@@ -315,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# kl-adapters coverage of the frameworks' example configurations with the doctor's fix applied "
             f"(made by: see bench/coverage.py; last step: {command})\n"
             "# accepted: the doctor's verdict after the fix is unbiased; tested: its KL path and every non-default "
-            "feature deciding it have a test (bench/coverage.py TESTED)\n" + table(rows) + "\n")
+            "feature deciding it have a test (the support matrix, kl_adapters/support.py, via bench/coverage.py SETTING)\n" + table(rows) + "\n")
     args.out.with_suffix(".txt").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "coverage": coverage(rows),
                                                          "rows": rows}, indent=1) + "\n")

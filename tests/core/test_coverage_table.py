@@ -54,21 +54,55 @@ def test_counts_are_the_rows(table):
 
 def test_the_benchs_mappings_name_existing_tests():
     bench = _bench()
-    mapped = {t for t in [*bench.PATH_TESTS.values(), *bench.TESTED.values()] if t}
+    mapped = {t for t in [*bench.PATH_TESTS.values(), *bench.PATH_OPTION_TESTS.values()] if t}
     assert [t for t in sorted(mapped) if not exists(t)] == []
 
 
 def test_the_settings_are_the_support_matrixs():
-    """Every feature bench/coverage.py maps to a setting names one of the support matrix (kl_adapters.support), and a
-    feature has a test exactly where the matrix calls its setting tested (the matrix is the one source)."""
+    """Every feature value bench/coverage.py maps to a setting names one of the support matrix (kl_adapters.support),
+    and its verdict is the matrix's entry: a test exactly where the matrix calls the setting tested (the matrix is the
+    one source; bench/coverage.py keeps no status of its own)."""
     from kl_adapters import support
 
     bench = _bench()
-    for (framework, *_), key in bench.SETTING.items():
-        assert (framework, key) in support.MATRIX
-    for feature, key in bench.SETTING.items():
-        e = support.entry(feature[0], key)
-        assert bench.TESTED.get(feature) == (e.test if e.status == support.TESTED else None)
+    for (framework, key, value), name in bench.SETTING.items():
+        e = support.entry(framework, name)
+        probe = 2 if value == bench.ABOVE_ONE else value
+        assert bench.verdict(framework, key, probe) == (e.status, e.test if e.status == support.TESTED else None)
+    for (framework, key, value), test in bench.PATH_OPTION_TESTS.items():
+        assert bench.verdict(framework, key, value) == (support.TESTED, test)
+    assert bench.verdict("verl", "strategy", "some other engine") == (None, None)
+
+
+@pytest.mark.parametrize("framework, key, value, status", [
+    ("verl", "ulysses_sequence_parallel_size", 4, "tested"),
+    ("verl", "strategy", "megatron", "accepted, untested"),
+    ("verl", "vision-language model", True, "accepted, untested"),
+    ("openrlhf", "ds.ring_attn_size", 2, "refused"),
+    ("openrlhf", "ds.tensor_parallel_size", 2, "refused"),
+    ("trl", "use_liger_kernel", True, "tested"),
+    ("trl", "deepspeed / fsdp", True, "accepted, untested"),
+])
+def test_the_changed_and_added_settings_read_the_matrix(framework, key, value, status):
+    """The verdicts this table depends on follow kl_adapters/support.py: Ulysses and TRL's Liger tested, TRL under
+    DeepSpeed / FSDP accepted but untested, ring attention and OpenRLHF's tensor parallelism refused."""
+    from kl_adapters import support
+
+    bench = _bench()
+    assert bench.verdict(framework, key, value)[0] == status == support.entry(
+        framework, bench.setting(framework, key, value)).status
+
+
+def test_the_doc_gives_the_tables_counts():
+    """docs/coverage.md's headline and its "after" row are bench/results/coverage.json's totals."""
+    doc = json.loads((ROOT / "bench" / "results" / "coverage.json").read_text())["coverage"]
+    total = {k: sum(c[k] for c in doc.values()) for k in ("kl", "accepted", "tested")}
+    page = (ROOT / "docs" / "coverage.md").read_text()
+    assert f"{total['tested']} of {total['kl']}" in page
+    row = next(line for line in page.splitlines() if line.startswith("| all |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1].startswith(f"{total['tested']} ("), row
+    assert cells[4] == str(total["accepted"]), row
 
 
 def test_judging_the_rows_again_gives_their_verdicts():

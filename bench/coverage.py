@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# kl-adapters coverage of the frameworks' example configurations with the doctor's fix applied "
             f"(made by: see bench/coverage.py; last step: {command})\n"
             "# accepted: the doctor's verdict after the fix is unbiased; tested: its KL path and every non-default "
-            "feature deciding it have a test (the support matrix, kl_adapters/support.py, via bench/coverage.py SETTING)\n" + table(rows) + "\n")
+            "feature deciding it have a test (the support matrix, kl_adapters/support.py, via bench/coverage.py "
+            "SETTING)\n" + table(rows) + "\n")
     args.out.with_suffix(".txt").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "coverage": coverage(rows),
                                                          "rows": rows}, indent=1) + "\n")

@@ -24,9 +24,10 @@ def import_as_release(module: str, distribution: str, reported: str) -> str | No
         importlib.metadata.version = real
 
 
-def once_restarted(ray, call: Callable, seconds: float = 120.0):
+def once_restarted(ray, call: Callable, seconds: float = 300.0):
     """ray.get(call()) once the actor `call` addresses is back: while Ray restarts it, calls raise
-    ActorUnavailableError."""
+    ActorUnavailableError. A restart imports the framework afresh: on two cores shared with other jobs it took over
+    120 s once (2026-11-29), so the deadline is generous."""
     deadline = time.monotonic() + seconds
     while True:
         try:

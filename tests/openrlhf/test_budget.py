@@ -20,7 +20,7 @@ from kl_adapters import activation
 from kl_adapters.adapters import openrlhf as adapter
 from kl_adapters.adapters.openrlhf import budget as openrlhf_budget
 from kl_adapters.budget import KLBudget
-from openrlhf_harness import base_argv, cli_args
+from openrlhf_harness import BETA, base_argv, cli_args
 
 TARGET = 0.5
 
@@ -125,7 +125,7 @@ def test_beta_is_shipped_to_the_actors_and_updated_once_per_rollout(actor_dir, t
     trainer = controller(args, group, tmp_path)
     statuses = [trainer.train_step(None, step)[0] for step in range(4)]
     shipped = [kw["kl_ctl"] for name, kw in group.calls if name == "fit"]
-    replay = KLBudget(TARGET, 0.1)
+    replay = KLBudget(TARGET, BETA)  # the starting beta: the harness's --algo.kl.init_coef
     for kl, beta, status in zip(estimates, shipped, statuses):
         assert beta == pytest.approx(replay.beta, rel=1e-12)  # the fit of this rollout got the budget's beta
         assert status["kl_adapters/beta"] == beta and status["kl_adapters/kl_target"] == TARGET
@@ -149,7 +149,7 @@ def test_checkpoint_client_states_carry_the_budget(actor_dir, tmp_path, ray_get_
     resumed = controller(args, ActorGroup([], group.path), tmp_path)  # init_checkpoint_states finds _actor/
     states = resumed.init_checkpoint_states()
     assert states["global_step"] == 2
-    assert resumed.kl_ctl.value == first.kl_ctl.value != 0.1
+    assert resumed.kl_ctl.value == first.kl_ctl.value != BETA
     assert openrlhf_budget._budget(resumed).state_dict() == openrlhf_budget._budget(first).state_dict()
 
 
@@ -161,7 +161,7 @@ def test_without_a_target_the_controller_is_openrlhfs(actor_dir, tmp_path, ray_g
     group = ActorGroup([0.9, 0.8], tmp_path / "_actor" / "client_states.pt")
     trainer = controller(args, group, tmp_path)
     statuses = [trainer.train_step(None, step)[0] for step in range(2)]
-    assert [kw["kl_ctl"] for name, kw in group.calls if name == "fit"] == [0.1, 0.1] and trainer.kl_ctl.value == 0.1
+    assert [kw["kl_ctl"] for name, kw in group.calls if name == "fit"] == [BETA, BETA] and trainer.kl_ctl.value == BETA
     assert not any("kl_adapters/beta" in s for s in statuses) and openrlhf_budget._budget(trainer) is None
     trainer.save_logs_and_checkpoints(1, statuses[-1], {"global_step": 1})
     assert adapter.BUDGET_STATE not in group.saved

@@ -93,7 +93,8 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "(DeepSpeed is not installed: "
         "tests/trl/test_sharded_eos.py::test_zero3_partitioned_head_is_gathered); `full` (a gradient through "
         "lm_head.weight after the forward) is refused under ZeRO-3 and FSDP at the trainer's construction "
-        "(tests/trl/test_sharded_eos.py::test_full_is_refused_under_sharding). Untested as a whole: no test runs "
+        "(tests/trl/test_sharded_eos.py::test_full_is_refused_under_sharding) and by the doctor "
+        "(tests/trl/test_doctor.py::test_full_under_sharding_is_refused). Untested as a whole: no test runs "
         "TRL's trainer under DeepSpeed or FSDP (the data-parallel test runs DDP)"),
     ("trl", "megatron"): Entry(NOT_APPLICABLE, "TRL has no Megatron engine"),
     ("trl", "data-parallel"): Entry(

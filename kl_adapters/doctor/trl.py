@@ -21,6 +21,7 @@ import ast
 import contextlib
 import importlib
 import io
+import json
 import shlex
 import warnings
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from .. import activation, native, support
 from .report import (AUDIT_ARGS, OFF, DoctorError, Fix, KLPath, Report, adapter_native, installed_version,
-                     note_budget, refusals)
+                     Refused, note_budget, refusals)
 from .shell import logical_lines
 
 TRAINERS = ("grpo", "rloo")
@@ -191,6 +192,7 @@ def _grpo(report: Report, config) -> None:
     setting = (f"beta={config.beta:g}, loss_type={config.loss_type}, use_bias_correction_kl="
                f"{config.use_bias_correction_kl}, importance_sampling_level={config.importance_sampling_level}")
     if settings is not None:
+        _sharded_head(config, settings)
         report.paths.append(KLPath("loss", f"kl_preset={settings}, beta={config.beta:g}", config.beta,
                                    adapter_native(settings.spec, f"kl_preset={settings}", "trl")))
         note_budget(report, settings, f"beta={config.beta:g}", "optimizer step", "--kl_target")
@@ -211,6 +213,26 @@ def _grpo(report: Report, config) -> None:
         "from kl_adapters.adapters.trl import KLGRPOConfig  # in place of GRPOConfig, then kl_preset='sequence'",
         "--kl_preset sequence  (scripts parsing KLGRPOConfig)",
         "KL_ADAPTERS=sequence  (environment, e.g. with `trl grpo`)"), BETA_AFTER_FIX)
+
+
+def _sharded_head(config, settings) -> None:
+    """Refused, as GRPOTrainer's construction refuses it (`trainer_init.sharded_head_refusal`): a preset that needs the
+    full vocabulary (`full`) under FSDP or DeepSpeed ZeRO-3 (`zero_optimization.stage` 3 in the `deepspeed` config, a
+    dict or a JSON file). Pinned by tests/trl/test_doctor.py::test_full_under_sharding_is_refused."""
+    from ..adapters.trl.trainer_init import sharded_head_refusal
+
+    sharding = "FSDP" if config.fsdp else "DeepSpeed ZeRO-3" if _zero_stage(config.deepspeed) == 3 else None
+    refusal = sharded_head_refusal(settings, "kl_preset", sharding)
+    if refusal is not None:
+        raise Refused(refusal)
+
+
+def _zero_stage(deepspeed) -> int | None:
+    """`zero_optimization.stage` of TrainingArguments' `deepspeed` (a dict or a JSON file's path); None otherwise."""
+    if isinstance(deepspeed, str) and Path(deepspeed).is_file():
+        deepspeed = json.loads(Path(deepspeed).read_text())
+    stage = deepspeed.get("zero_optimization", {}).get("stage") if isinstance(deepspeed, dict) else None
+    return stage if isinstance(stage, int) else None
 
 
 def _support(report: Report, config, model, processes: int) -> None:

@@ -207,6 +207,25 @@ def test_no_library_warnings_on_a_readable_command_line(capsys):
 SUPPORT_BASE = ["--beta", "0.04", "--kl_preset", "sequence"]
 
 
+def test_full_under_sharding_is_refused(tmp_path):
+    """kl_preset='full' under FSDP is refused with the line GRPOTrainer's construction raises
+    (trainer_init.sharded_head_refusal), `sequence` there is not; DeepSpeed's ZeRO stage is read from the `deepspeed`
+    config, a dict or a JSON file (TrainingArguments needs deepspeed installed to parse one, which this environment has
+    not)."""
+    from kl_adapters.doctor.trl import _zero_stage
+
+    fsdp = ["--fsdp", "full_shard auto_wrap"]
+    report = doctor("--beta", "0.04", "--kl_preset", "full", *fsdp)
+    assert report.verdict == "refused"
+    assert [h.message for h in report.hazards if h.code == "refused"][0].startswith(
+        "kl_preset='full' is refused under FSDP: ")
+    assert doctor("--beta", "0.04", "--kl_preset", "sequence", *fsdp).verdict != "refused"
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 3}}')
+    assert _zero_stage(str(config)) == 3 and _zero_stage({"zero_optimization": {"stage": 2}}) == 2
+    assert _zero_stage(None) is None and _zero_stage({"zero_optimization": {"stage": "auto"}}) is None
+
+
 @pytest.mark.parametrize("key, extra", [
     ("lora", ["--use_peft"]), ("vllm", ["--use_vllm", "true"]), ("sharding", ["--fsdp", "full_shard auto_wrap"]),
     ("data-parallel", ["--num_processes", "2"]),

@@ -51,9 +51,17 @@ def _check_sharded_head(trainer, settings, flag: str) -> None:
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     sharding = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else "FSDP" if trainer.is_fsdp_enabled else None
-    if settings.spec.needs_full_logits and sharding is not None:
-        raise UnsupportedFrameworkError(
-            f"{flag}={str(settings)!r} is refused under {sharding}: its gradient through lm_head.weight is taken after "
+    refusal = sharded_head_refusal(settings, flag, sharding)
+    if refusal is not None:
+        raise UnsupportedFrameworkError(refusal)
+
+
+def sharded_head_refusal(settings, flag: str, sharding: str | None) -> str | None:
+    """The one-line refusal of `settings` under `sharding` ("DeepSpeed ZeRO-3", "FSDP", None: unsharded), or None when
+    it runs: the trainer's check above and the doctor's reading of a configuration (doctor/trl.py) share it."""
+    if not settings.spec.needs_full_logits or sharding is None:
+        return None
+    return (f"{flag}={str(settings)!r} is refused under {sharding}: its gradient through lm_head.weight is taken after "
             "the model's forward, where the sharded weight is neither gathered nor its gradient reduced; use "
             "'sequence'")
 

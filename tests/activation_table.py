@@ -20,12 +20,15 @@ suite's own process through the same `activation.activate_from_env(defer=True)` 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from kl_adapters import activation
 
 
 class Row(NamedTuple):
@@ -109,3 +112,18 @@ def run_each(command: list[str], cwd: Path, values: tuple[str, ...] | None = Non
                    for value in values[start:start + at_once]}
         results.update({value: (proc.wait(timeout=600), *proc.communicate()) for value, proc in running.items()})
     return results
+
+
+def activate_as_the_hook(value: str, monkeypatch, caplog) -> None:
+    """KL_ADAPTERS=`value` read in this process as the .pth hook reads it (`activation.activate_from_env(defer=True)`),
+    with the activation lines already announced forgotten and kl_adapters' warnings captured; undo with
+    `activation.disable()`."""
+    monkeypatch.setenv(activation.ENV_VAR, value)
+    monkeypatch.setattr(activation, "_announced", set())
+    caplog.set_level(logging.WARNING, logger="kl_adapters")
+    activation.activate_from_env(defer=True)
+
+
+def activation_lines(caplog) -> list[str]:
+    """The "kl-adapters: preset ... active" lines logged so far."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("kl-adapters: preset")]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import logging
 import runpy
 import sys
 from pathlib import Path
@@ -22,7 +21,8 @@ from kl_adapters.adapters.openrlhf.renamed import RENAMED
 from openrlhf_harness import base_argv, cli_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from activation_table import FRESH, cases, check_refusal, check_refused_environment, run_each  # noqa: E402
+from activation_table import (FRESH, activate_as_the_hook, activation_lines, cases, check_refusal,  # noqa: E402
+                              check_refused_environment, run_each)
 
 #: the outcomes a fresh interpreter can have in OpenRLHF (a refusal at interpreter start ends like one at the import:
 #: the value is refused before any framework module runs, tests/core/test_activation.py's table)
@@ -64,15 +64,11 @@ def test_table_on_kl_adapters_in_process(actor_dir, value, refused, monkeypatch,
     own train_ppo_ray parsing its arguments: accepted values become args.algo.kl.preset (one activation line); values
     kl-adapters refuses raise their one line on every use, and the import hook would stop OpenRLHF's import with it;
     a preset OpenRLHF cannot run is refused at the argument parsing."""
-    monkeypatch.setenv(activation.ENV_VAR, value)
-    monkeypatch.setattr(activation, "_announced", set())
-    caplog.set_level(logging.WARNING, logger="kl_adapters")
-    activation.activate_from_env(defer=True)
+    activate_as_the_hook(value, monkeypatch, caplog)
     try:
         if refused is None:
             assert cli_args(base_argv(actor_dir)).algo.kl.preset == str(activation.parse(value))
-            assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kl-adapters: preset")] == [
-                activation_line(value)]
+            assert activation_lines(caplog) == [activation_line(value)]
         elif "full next-token" in refused:
             with pytest.raises(ValueError) as error:
                 cli_args(base_argv(actor_dir))

@@ -18,7 +18,8 @@ from kl_adapters.activation import SettingError
 from kl_adapters.adapters import trl as adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from activation_table import FRESH, cases, check_refusal, check_refused_environment, run_each  # noqa: E402
+from activation_table import (FRESH, activate_as_the_hook, activation_lines, cases, check_refusal,  # noqa: E402
+                              check_refused_environment, run_each)
 
 #: the outcomes a fresh interpreter can have in TRL (every preset runs in TRL: none is refused by the framework)
 FRESH_TRL = tuple(value for outcome, value in FRESH.items() if outcome != "refused by the framework")
@@ -82,16 +83,12 @@ def test_table_on_kl_adapters(value, refused, model_dir, dataset, monkeypatch, c
     naming KL_ADAPTERS, and the import hook would stop TRL's import with it (SystemExit)."""
     from trl import GRPOConfig
 
-    monkeypatch.setenv(activation.ENV_VAR, value)
-    monkeypatch.setattr(activation, "_announced", set())
-    caplog.set_level(logging.WARNING, logger="kl_adapters")
-    activation.activate_from_env(defer=True)
+    activate_as_the_hook(value, monkeypatch, caplog)
     try:
         if refused is None:
             make_trainer(model_dir, dataset, args=grpo_args(GRPOConfig, max_completion_length=6, max_steps=1))
             assert activation.active() == activation.parse(value)
-            assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kl-adapters: preset")] == [
-                activation_line(value)]
+            assert activation_lines(caplog) == [activation_line(value)]
             return
         check_refused_environment(value, refused)
     finally:
@@ -130,8 +127,7 @@ def test_one_activation_line_per_process_not_per_step(model_dir, dataset, monkey
     caplog.set_level(logging.WARNING, logger="kl_adapters")
     make_trainer(model_dir, dataset, kl_preset="sequence", max_steps=3).train()
     make_trainer(model_dir, dataset, kl_preset="sequence", max_steps=1)  # a second trainer, the same setting
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kl-adapters: preset")]
-    assert lines == ["kl-adapters: preset sequence active in trl 1.16.0 (KL path: loss; beta 0.1)"]
+    assert activation_lines(caplog) == ["kl-adapters: preset sequence active in trl 1.16.0 (KL path: loss; beta 0.1)"]
 
 
 @pytest.mark.parametrize("route", ["kl_preset", "KL_ADAPTERS"])

@@ -5,6 +5,7 @@ agreement with the adapter (its native preset, KLGRPOConfig's and RLOOTrainer's 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,9 @@ from kl_adapters.adapters import trl as adapter
 from kl_adapters.adapters.trl import loss as trl_loss
 from kl_adapters.cli import main
 from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support_verdicts import check_verdict_printed  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "doctor" / "trl"
 
@@ -235,12 +239,4 @@ def test_full_under_sharding_is_refused(tmp_path):
 def test_support_settings_print_their_verdict(key, extra):
     """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
     when tested, a warning when accepted untested or refused."""
-    from kl_adapters import support
-    from kl_adapters.doctor import format_report
-
-    notes, warnings = support.doctor_lines("trl", [key])
-    ((code, line),) = [(None, note) for note in notes] + warnings
-    report, base = doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE)
-    assert line in format_report(report) and line not in format_report(base)
-    assert (code, line) in [(h.code, h.message) for h in report.hazards] + [(None, n) for n in report.notes]
-    assert (report.verdict == "refused") == (code == "refused-path"), report.hazards
+    check_verdict_printed("trl", key, doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE))

@@ -6,6 +6,7 @@ mapping with verl's own kl_penalty gradient and with the adapter's native preset
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -19,6 +20,9 @@ from kl_adapters.cli import main
 from kl_adapters.doctor import SCHEMA, DoctorError, diagnose
 from kl_adapters.doctor.verl import compose
 from kl_adapters.surrogate import kl_term
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support_verdicts import check_verdict_printed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "doctor" / "verl"
@@ -316,15 +320,8 @@ def test_support_settings_print_their_verdict(key, extra):
     """Each setting of the support matrix the doctor reads prints the matrix's verdict (kl_adapters.support): a note
     when tested, a warning when accepted untested or refused (and then the verdict refused).
     verl's default strategy fsdp is the FSDP row, so the base configuration prints that one already."""
-    from kl_adapters import support
-    from kl_adapters.doctor import format_report
-
-    notes, warnings = support.doctor_lines("verl", [key])
-    ((code, line),) = [(None, note) for note in notes] + warnings
-    report, base = doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE)
-    assert line in format_report(report) and (line in format_report(base)) == (key == "sharding")
-    assert (code, line) in [(h.code, h.message) for h in report.hazards] + [(None, n) for n in report.notes]
-    assert (report.verdict == "refused") == (code == "refused-path"), report.hazards
+    check_verdict_printed("verl", key, doctor(*SUPPORT_BASE, *extra), doctor(*SUPPORT_BASE),
+                          in_base=key == "sharding")
 
 
 def ulysses_example() -> list[str]:

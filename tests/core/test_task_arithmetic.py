@@ -47,3 +47,15 @@ def test_splits_are_disjoint_deterministic_and_sized():
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="unknown format"):
         Split("x", "long", (1,), 0.1)
+
+
+def test_the_long_setting_is_a_scratchpad_of_the_registered_digits():
+    """bench/results/task/confirmatory/protocol.md: in domain 26, 28 or 30 digits per operand, out of domain 34 or 36,
+    the scratchpad format; about 9.5 d + 2 characters per exact completion."""
+    long = SPLITS["long"]
+    assert {len(e.prompt.split("+")[0]) for e in draw(long["id"], 300, 0, test=True)} == {26, 28, 30}
+    assert {len(e.prompt.split("+")[0]) for e in draw(long["ood"], 200, 0, test=True)} == {34, 36}
+    assert all(s.format == "scratch" for s in long.values())
+    examples = draw(long["id"], 300, 0, test=True)
+    mean = sum(len(solution(e.prompt)) for e in examples) / len(examples)
+    assert 9.5 * 28 + 2 - 5 < mean < 9.5 * 28 + 2 + 5

@@ -95,3 +95,19 @@ def test_smoke_run_of_the_benchmark(smoke_reference, tmp_path, setting):
     assert all(c in text for c in configs.split(",")) and (tmp_path / f"task_{setting}_trl.png").exists()
     score = "gold" if setting == "proxy" else "accuracy"
     assert score in runs[0]["history"][-1]["id"]
+
+
+def test_long_design_judges_one_noise_level(tmp_path, monkeypatch):
+    """bench/long_design.py at toy size: the reference is trained with the line's teacher noise (its own cache key),
+    then scored in domain; the line states accuracy, the band, the mean length and the 256-token rule."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import long_design
+
+    monkeypatch.setitem(long_design.SIZES, "small", {"hidden": 16, "steps": 2})
+    monkeypatch.setattr(long_design, "PROMPTS", 4)
+    monkeypatch.setattr(long_design, "MAX_NEW", 12)
+    keys = {long_design.spec(noise, "small").key() for noise in arithmetic.LONG_NOISES}
+    assert len(keys) == len(arithmetic.LONG_NOISES)
+    line = long_design.judge(0.02, "small", tmp_path, say=lambda *_: None)
+    assert line.startswith("noise 0.02 size small (hidden 16, 2 steps") and "outside the 20-60% band" in line
+    assert "(< 256)" in line and "truncated at 12: " in line

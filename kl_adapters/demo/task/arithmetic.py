@@ -54,7 +54,14 @@ SPLITS: dict[str, dict[str, Split]] = {
     "short": {"id": Split("short-id", "short", (1, 2, 3), 0.6), "ood": Split("short-ood", "short", (4,), 0.75)},
     "scratch": {"id": Split("scratch-id", "scratch", (6, 7, 8), 0.12),
                 "ood": Split("scratch-ood", "scratch", (9, 10), 0.12)},
+    # the confirmatory re-test's long completions (bench/results/task/confirmatory/protocol.md): about 9.5 d + 2
+    # tokens, 268 in domain; its teacher noise is chosen by the protocol's design (one of LONG_NOISES), so a
+    # reference of this setting names it (`reference.ReferenceSpec.noise`); the value here is the first candidate
+    "long": {"id": Split("long-id", "scratch", (26, 28, 30), 0.03),
+             "ood": Split("long-ood", "scratch", (34, 36), 0.03)},
 }
+#: the long setting's teacher slip rates, in the order the protocol's design step 1 tries them
+LONG_NOISES = (0.03, 0.02, 0.015, 0.01)
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,15 @@ class ReferenceSpec:
     learning_rate: float = 3e-3
     seed: int = 0
     threads: int = 1
+    #: the teacher's slip rate for every split of the mixture (None: each split's own, `arithmetic.SPLITS`)
+    noise: float | None = None
     #: the training mixture: (format, split) -> weight
     mixture: tuple[tuple[str, str, float], ...] = (("short", "id", 0.35), ("short", "ood", 0.15),
                                                    ("scratch", "id", 0.35), ("scratch", "ood", 0.15))
 
     def key(self) -> str:
-        text = json.dumps({"spec": asdict(self), "data": DATA_VERSION}, sort_keys=True)
+        spec = {k: v for k, v in asdict(self).items() if k != "noise" or v is not None}  # keys from before `noise`
+        text = json.dumps({"spec": spec, "data": DATA_VERSION}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -111,8 +114,8 @@ def _train(model, tok, spec: ReferenceSpec, say: Callable[[str], None]) -> tuple
         rows = []
         for fmt, part in rng.choices(choices, weights, k=spec.batch):
             example = rng.choice(pools[fmt, part])
-            split = arithmetic.SPLITS[fmt][part]
-            rows.append((example.prompt, arithmetic.solution(example.prompt, split.noise, rng)))
+            noise = arithmetic.SPLITS[fmt][part].noise if spec.noise is None else spec.noise
+            rows.append((example.prompt, arithmetic.solution(example.prompt, noise, rng)))
         input_ids, attention, labels = supervised_batch(tok, rows)
         logits = model(input_ids=input_ids, attention_mask=attention).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())

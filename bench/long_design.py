@@ -1,0 +1,109 @@
+"""The long-completion setting's reference design: steps 1 and 2 of bench/results/task/confirmatory/protocol.md.
+
+Usage: .venvs/trl/bin/python bench/long_design.py [--noise 0.03] [--size small|large] [--cache DIR]
+       (appends to bench/results/task/confirmatory/design_long.txt; the log of the training beside it, git-ignored)
+
+Step 1: the teacher's per-step slip probability is the first of `arithmetic.LONG_NOISES` (0.03, 0.02, 0.015, 0.01)
+whose reference scores 20-60% in domain on 1,024 held-out prompts (one completion each at temperature 1, as the
+benchmark evaluates); the reference: a Llama of hidden 96, 4 layers, 4 heads, 512 positions, trained as the
+benchmark's (AdamW, one-cycle, batch 32, 4,000 steps) on the long setting's splits only (in / out of domain 0.7 /
+0.3, the benchmark's scratchpad proportions); `--size large`: hidden 128 and 6,000 steps, the protocol's fallback.
+Step 2: the mean length of its in-domain completions (tokens, EOS included) must be >= 256.
+Each call judges one noise level (default: the first not yet in the design file) and appends one line; the design
+seeds are 300-301 (300: the held-out prompts' draw and the sampling seed). Step 3 (the betas, by `kl-adapters
+measure` on the reference and two design policies) needs RL runs of the setting and is not done here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from kl_adapters.demo.task import arithmetic, reference
+from kl_adapters.demo.task.evaluate import decode, encode_prompts, mean_se, sample
+
+OUT = Path(__file__).resolve().parent / "results/task/confirmatory/design_long.txt"
+SIZES = {"small": {"hidden": 96, "steps": 4000}, "large": {"hidden": 128, "steps": 6000}}
+MIXTURE = (("long", "id", 0.7), ("long", "ood", 0.3))
+BAND, MIN_LENGTH, PROMPTS, MAX_NEW, SEED = (0.20, 0.60), 256, 1024, 360, 300
+
+
+def spec(noise: float, size: str) -> reference.ReferenceSpec:
+    return reference.ReferenceSpec(layers=4, heads=4, max_positions=512, batch=32, seed=SEED, mixture=MIXTURE,
+                                   noise=noise, **SIZES[size])
+
+
+def judged() -> list[str]:
+    return [line for line in OUT.read_text().splitlines() if line.startswith("noise ")] if OUT.exists() else []
+
+
+def judge(noise: float, size: str, cache: Path | None, say) -> str:
+    """One design line: the reference's in-domain accuracy, its completions' mean length, the verdicts."""
+    folder = reference.build(spec(noise, size), cache, say)
+    model = reference_model(folder)
+    examples = arithmetic.draw(arithmetic.SPLITS["long"]["id"], PROMPTS, seed=SEED, test=True)
+    start = time.perf_counter()
+    rewards, lengths = [], []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        for i in range(0, PROMPTS, 256):
+            chunk = examples[i:i + 256]
+            samples = sample(model, *encode_prompts(reference.tokenizer(), [e.prompt for e in chunk]), MAX_NEW)
+            texts = decode(reference.tokenizer(), samples)
+            rewards += [arithmetic.reward(t, e.answer) for t, e in zip(texts, chunk)]
+            lengths += samples.mask.sum(1).tolist()
+            say(f"  evaluated {len(rewards)}/{PROMPTS} ({time.perf_counter() - start:.0f} s)")
+    accuracy, se = mean_se(rewards)
+    length, length_se = mean_se(lengths)
+    in_band = BAND[0] <= accuracy <= BAND[1]
+    trained = json.loads((folder / "reference.json").read_text())
+    return (f"noise {noise} size {size} (hidden {spec(noise, size).hidden}, {spec(noise, size).steps} steps, key "
+            f"{folder.name}, trained in {trained['train_seconds']:.0f} s): in-domain accuracy {100 * accuracy:.1f} "
+            f"+- {100 * se:.1f}% ({'in' if in_band else 'outside'} the 20-60% band), mean in-domain completion "
+            f"{length:.1f} +- {length_se:.1f} tokens ({'>=' if length >= MIN_LENGTH else '<'} {MIN_LENGTH}), "
+            f"truncated at {MAX_NEW}: {sum(x >= MAX_NEW for x in lengths)}")
+
+
+def reference_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--noise", type=float, help="one of arithmetic.LONG_NOISES (default: the next not judged)")
+    p.add_argument("--size", choices=SIZES, default="small")
+    p.add_argument("--cache", type=Path, help="where references are cached (reference.default_cache())")
+    args = p.parse_args(argv)
+    done = judged()
+    noise = args.noise if args.noise is not None else next(
+        (n for n in arithmetic.LONG_NOISES if not any(line.startswith(f"noise {n} size {args.size} ") for line in done)),
+        None)
+    if noise not in arithmetic.LONG_NOISES:
+        raise SystemExit(f"no noise level left to judge at size {args.size} (or {args.noise} is not one of "
+                         f"{arithmetic.LONG_NOISES})")
+    log = OUT.with_suffix(".log").open("a")
+
+    def say(text: str) -> None:
+        print(text, file=log, flush=True)
+
+    torch.set_num_threads(1)
+    line = judge(noise, args.size, args.cache, say)
+    if not OUT.exists():
+        OUT.write_text("# the long-completion setting's reference design (bench/results/task/confirmatory/protocol.md "
+                       "steps 1-2)\n# command: .venvs/trl/bin/python bench/long_design.py [--noise N] [--size S]\n"
+                       f"# spec: {asdict(spec(noise, args.size))} (noise and size per line)\n")
+    with OUT.open("a") as out:
+        out.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -102,8 +102,13 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "process's rows, as by one process holding them all; multi-node is the same accelerate launch",
         "tests/trl/test_data_parallel.py::test_world_size_2_gradient_is_world_size_1"),
     ("trl", "vision-language"): Entry(
-        ACCEPTED, f"a vision-language model: GRPOTrainer's multimodal batches reach the KL term as text ones do, "
-        f"and {_NO_IMAGES}; `full` refuses multimodal inputs"),
+        TESTED, "a vision-language model (a tiny Qwen2-VL with images of two sizes): TRL passes pixel_values and "
+        "image_grid_thw to every forward, the reduced presets' pi(EOS) read inside the policy's forward and TRL's "
+        "chunked rollout forward sees them, and the gradient is TRL's task gradient plus grad kl_surrogate for "
+        "sequence, sequence-plain and token; flag off bit-identical; `full` refuses multimodal inputs in one line "
+        "(the tests' processor is Qwen2VLProcessor without its video slot: torchvision does not install beside a CPU "
+        "torch)",
+        "tests/trl/test_vision_language.py::test_gradient_is_task_plus_kl_surrogate"),
     ("trl", "liger"): Entry(
         TESTED, "use_liger_kernel=True: transformers' Trainer swaps the layer kernels (trl >= 1.15 with Liger's fused "
         "cross-entropy off) and trl 1.14.x computes the log-probs with its own chunked torch path; the loss is still "

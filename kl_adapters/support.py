@@ -195,9 +195,12 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "indices; packed rows give the unpacked rows' gradient",
         "tests/openrlhf/test_coverage_packing.py::test_packed_rows_give_the_unpacked_gradient_and_statistics"),
     ("openrlhf", "sequence-parallel"): Entry(
-        REFUSED, "--ds.ring_attn_size > 1 is refused before Ray starts (ring attention needs ring-flash-attn and "
-        "several GPUs)",
-        "tests/openrlhf/test_cli.py::test_untested_code_path_is_refused"),
+        TESTED, "--ds.ring_attn_size > 1 (ring attention; OpenRLHF packs samples with it): each rank's forward makes "
+        "the logits of its slice of the packed micro-batch, OpenRLHF gathers the log-probs back to whole rows "
+        "(gather_and_pad_tensor) before the loss, and the adapter gathers pi(EOS) with the same call; two gloo ranks "
+        "with a test-only CPU stand-in for ring-flash-attn give world size 1's gradient (real ring-flash-attn / NCCL: "
+        "not run)",
+        "tests/openrlhf/test_ring_attention.py::test_ring_attention_gradient_is_world_size_1"),
     ("openrlhf", "tensor-parallel"): Entry(
         REFUSED, "--ds.tensor_parallel_size > 1 is refused before Ray starts (it needs several GPUs)",
         "tests/openrlhf/test_doctor.py::test_support_settings_print_their_verdict"),
@@ -212,7 +215,12 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "all-reduce); the statistics are fitted once per rollout and travel with their rows; multi-node: the flag "
         "travels in OpenRLHF's pickled args to every actor",
         "tests/openrlhf/test_data_parallel.py::test_world_size_2_gradient_is_world_size_1"),
-    ("openrlhf", "vision-language"): Entry(ACCEPTED, f"a vision-language model: nothing refuses it, and {_NO_IMAGES}"),
+    ("openrlhf", "vision-language"): Entry(
+        TESTED, "a vision-language model (a tiny Qwen2-VL with images): the images ride in Experience.mm_train_inputs "
+        "into OpenRLHF's forward, which the reduced presets read pi(EOS) from, and every step's gradient (vision tower "
+        "included) is the task's plus grad kl_surrogate (the tests' processor is Qwen2VLProcessor without its video "
+        "slot: torchvision does not install beside a CPU torch)",
+        "tests/openrlhf/test_coverage_vlm.py::test_vlm_gradient_is_task_plus_kl_surrogate"),
     ("openrlhf", "liger"): Entry(
         ACCEPTED, "--ds.use_liger_kernel loads Liger's causal LM; OpenRLHF's forward passes no labels, so the logits "
         "the adapter reads are still made; not run (Liger needs a GPU)"),

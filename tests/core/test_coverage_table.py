@@ -78,14 +78,14 @@ def test_the_settings_are_the_support_matrixs():
     ("verl", "ulysses_sequence_parallel_size", 4, "tested"),
     ("verl", "strategy", "megatron", "accepted, untested"),
     ("verl", "vision-language model", True, "accepted, untested"),
-    ("openrlhf", "ds.ring_attn_size", 2, "refused"),
+    ("openrlhf", "ds.ring_attn_size", 2, "tested"),
     ("openrlhf", "ds.tensor_parallel_size", 2, "refused"),
     ("trl", "use_liger_kernel", True, "tested"),
     ("trl", "deepspeed / fsdp", True, "accepted, untested"),
 ])
 def test_the_changed_and_added_settings_read_the_matrix(framework, key, value, status):
     """The verdicts this table depends on follow kl_adapters/support.py: Ulysses and TRL's Liger tested, TRL under
-    DeepSpeed / FSDP accepted but untested, ring attention and OpenRLHF's tensor parallelism refused."""
+    DeepSpeed / FSDP accepted but untested, OpenRLHF's ring attention tested and its tensor parallelism refused."""
     from kl_adapters import support
 
     bench = _bench()

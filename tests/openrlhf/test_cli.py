@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -88,17 +89,24 @@ def test_reward_path_conflicts(actor_dir, extra, preset, message):
 
 
 def test_untested_code_path_is_refused(actor_dir, monkeypatch):
-    """Ring attention needs several GPUs, so the CPU tests cannot run it: refused unless KL_ADAPTERS_ALLOW_UNTESTED=1
-    (packing alone is tested: test_coverage_packing.py)."""
-    argv = base_argv(actor_dir) + ["--ds.packing_samples", "--ds.ring_attn_size", "2", "--vllm.num_engines", "1",
+    """DeepSpeed tensor parallelism needs several GPUs, so the CPU tests cannot run it: refused unless
+    KL_ADAPTERS_ALLOW_UNTESTED=1; ring attention is accepted with no warning (test_ring_attention.py runs it)."""
+    argv = base_argv(actor_dir) + ["--ds.tensor_parallel_size", "2", "--vllm.num_engines", "1",
                                    "--algo.kl.preset", "sequence"]
     monkeypatch.delenv("KL_ADAPTERS_ALLOW_UNTESTED", raising=False)  # scripts/compat.sh sets it for the whole suite
-    with pytest.raises(UnsupportedFrameworkError, match="ring_attn_size"):
+    with pytest.raises(UnsupportedFrameworkError, match="tensor_parallel_size"):
         cli_args(argv, wrapper=True)
     kl_adapters.disable()
     monkeypatch.setenv("KL_ADAPTERS_ALLOW_UNTESTED", "1")
-    with pytest.warns(RuntimeWarning, match="ring_attn_size"):
+    with pytest.warns(RuntimeWarning, match="tensor_parallel_size"):
         cli_args(argv, wrapper=True)
+    kl_adapters.disable()
+    monkeypatch.delenv("KL_ADAPTERS_ALLOW_UNTESTED")
+    ring = base_argv(actor_dir) + ["--ds.packing_samples", "--ds.ring_attn_size", "2", "--vllm.num_engines", "1",
+                                   "--algo.kl.preset", "sequence"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        cli_args(ring, wrapper=True)
 
 
 def test_startup_hook_stays_light():

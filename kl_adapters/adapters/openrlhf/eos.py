@@ -6,6 +6,7 @@ tests/openrlhf/test_eos.py and test_ray.py."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -40,11 +41,13 @@ def _wrap_actor_forward(original: Callable) -> Callable:
     and Ray) to the experience maker, which takes them off before OpenRLHF sees its experiences (`_take_eos`). Pinned
     by tests/openrlhf/test_eos.py and test_ray.py."""
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def forward(self, sequences, action_mask=None, *args, **kwargs):
         step = LOSS_STEP.get()
         packed = getattr(self, "packing_samples", False)
-        wanted = action_mask is not None and _wants_eos(step) and kwargs.get("ring_attn_group") is None
+        wanted = action_mask is not None and _wants_eos(step)
         ids = eos_token_ids(self.model) if wanted else ()
         if not ids:
             return original(self, sequences, action_mask, *args, **kwargs)
@@ -53,8 +56,10 @@ def _wrap_actor_forward(original: Callable) -> Callable:
         if capture.prob is None:
             return out
         prob = capture.prob
-        if packed:  # [1, nnz] in --ds.packing_samples' order: padded back as Actor.forward pads its log-probs
-            prob = _padded(prob, sequences, kwargs.get("attention_mask", args[0] if args else None))
+        if packed:  # [1, nnz] (a ring rank: its slice) in --ds.packing_samples' order: gathered and padded back as
+            # Actor.forward gathers and pads its log-probs
+            given = signature.bind(self, sequences, action_mask, *args, **kwargs).arguments
+            prob = _padded(prob, sequences, given.get("attention_mask"), given.get("ring_attn_group"))
         eos = action_eos(prob, sequences, action_mask, capture.ids)
         if step is not None:  # the loss reads it (`loss._loss_kl_term`); OpenRLHF gets its own result
             step.eos = eos
@@ -64,14 +69,20 @@ def _wrap_actor_forward(original: Callable) -> Callable:
     return forward
 
 
-def _padded(packed: Tensor, sequences: Tensor, attention_mask: Tensor) -> Tensor:
-    """A packed forward's per-token values [1, nnz] as [batch, seqlen], with OpenRLHF's own unpad indices and
-    gather_and_pad_tensor (no ring attention: the adapter refuses it). Pinned by
-    tests/openrlhf/test_coverage_packing.py."""
+def _padded(packed: Tensor, sequences: Tensor, attention_mask: Tensor, ring_attn_group=None) -> Tensor:
+    """A packed forward's per-token values as [batch, seqlen], as Actor.forward makes its log-probs: OpenRLHF's own
+    unpad indices and gather_and_pad_tensor. Without ring attention `packed` is [1, nnz]; with a ring group
+    (--ds.ring_attn_size > 1) it is this rank's slice of the packed row, which gather_and_pad_tensor all-gathers over
+    the group and cuts at the padding unpad_and_slice_tensor added (get_tensor_in_current_ring_attn_rank's, recomputed
+    by that function on the packed length), so every ring rank gets whole rows. Pinned by
+    tests/openrlhf/test_coverage_packing.py and tests/openrlhf/test_ring_attention.py."""
     from openrlhf.models import ring_attn_utils
 
     indices = ring_attn_utils.unpad_input(sequences.unsqueeze(-1), attention_mask)[1]
-    return ring_attn_utils.gather_and_pad_tensor(packed, None, 0, indices, *sequences.shape)
+    pad = 0
+    if ring_attn_group is not None:
+        pad = ring_attn_utils.get_tensor_in_current_ring_attn_rank(indices[None], ring_attn_group, 0)[1]
+    return ring_attn_utils.gather_and_pad_tensor(packed, ring_attn_group, pad, indices, *sequences.shape)
 
 
 def _wrap_log_probs_from_logits(original: Callable) -> Callable:

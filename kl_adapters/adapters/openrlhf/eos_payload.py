@@ -17,9 +17,12 @@ from ..end_of_sequence import eos_token_ids as read_eos_token_ids
 def eos_token_ids(model: Any) -> tuple[int, ...]:
     """The end-of-sequence ids of an OpenRLHF Actor's model (DeepSpeed's engine / PEFT unwrapped by attribute access):
     its generation config's ``eos_token_id`` (int or list; what vLLM, which OpenRLHF samples with, stops at beside the
-    tokenizer's eos) and its config's (`end_of_sequence.eos_token_ids`)."""
+    tokenizer's eos), its config's and, for a vision-language model, its text config's (transformers 5's Qwen2-VL keeps
+    ``eos_token_id`` there only) (`end_of_sequence.eos_token_ids`)."""
     inner = getattr(model, "module", model)
-    return read_eos_token_ids(getattr(inner, "generation_config", None), getattr(inner, "config", None))
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return read_eos_token_ids(getattr(inner, "generation_config", None), config, text)
 
 
 @dataclass(frozen=True)

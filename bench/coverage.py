@@ -71,7 +71,8 @@ SETTING = {
     ("verl", "ulysses_sequence_parallel_size", ABOVE_ONE): "sequence-parallel",
     ("verl", "lora", True): "lora",
     ("verl", "use_liger", True): "liger",
-    ("verl", "vision-language model", True): "vision-language",
+    ("verl", "vision-language model", "vision-language"): "vision-language",
+    ("verl", "vision-language model", "vision-language-other"): "vision-language-other",
     ("openrlhf", "ds.packing_samples", True): "packing",
     ("openrlhf", "ds.ring_attn_size", ABOVE_ONE): "sequence-parallel",
     ("openrlhf", "ds.tensor_parallel_size", ABOVE_ONE): "tensor-parallel",
@@ -80,12 +81,14 @@ SETTING = {
     ("openrlhf", "train.dynamic_batch_enable", True): "dynamic-batch",
     ("openrlhf", "algo.advantage.is_correction_level", "token"): "vllm",
     ("openrlhf", "algo.advantage.is_correction_level", "seq"): "vllm",
-    ("openrlhf", "vision-language model", True): "vision-language",
+    ("openrlhf", "vision-language model", "vision-language"): "vision-language",
+    ("openrlhf", "vision-language model", "vision-language-other"): "vision-language-other",
     ("trl", "vllm_importance_sampling_correction", True): "vllm",
     ("trl", "peft (LoRA reference)", True): "lora",
     ("trl", "use_liger_kernel", True): "liger",
     ("trl", "deepspeed / fsdp", True): "sharding",
-    ("trl", "vision-language model", True): "vision-language",
+    ("trl", "vision-language model", "vision-language"): "vision-language",
+    ("trl", "vision-language model", "vision-language-other"): "vision-language-other",
 }
 
 #: (framework, feature, value) -> its test, for KL path options that are no setting of the support matrix
@@ -119,13 +122,13 @@ def verdict(framework: str, key: str, value) -> tuple[str | None, str | None]:
 #: the settings `features` reads, at the values the path tests run
 DEFAULTS = {
     "verl": {"strategy": "fsdp", "use_remove_padding": False, "use_dynamic_bsz": False,
-             "ulysses_sequence_parallel_size": 1, "lora": False, "use_liger": False, "vision-language model": False},
+             "ulysses_sequence_parallel_size": 1, "lora": False, "use_liger": False, "vision-language model": None},
     "openrlhf": {"ds.packing_samples": False, "ds.ring_attn_size": 1, "ds.tensor_parallel_size": 1,
                  "lora": False, "ds.use_liger_kernel": False, "train.dynamic_batch_enable": False,
-                 "algo.advantage.is_correction_level": "off", "vision-language model": False},
+                 "algo.advantage.is_correction_level": "off", "vision-language model": None},
     "trl": {"importance_sampling_level": "token", "vllm_importance_sampling_correction": False,
             "peft (LoRA reference)": False, "use_liger_kernel": False, "deepspeed / fsdp": False,
-            "vision-language model": False},
+            "vision-language model": None},
 }
 
 
@@ -151,7 +154,8 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
                "lora": _lora(get("actor_rollout_ref.model.lora_rank"))
                or get("actor_rollout_ref.model.lora_adapter_path") is not None,
                "use_liger": get("actor_rollout_ref.model.use_liger"),
-               "vision-language model": support.vision_language(get("actor_rollout_ref.model.path"))}
+               "vision-language model": support.vision_language_setting(get("actor_rollout_ref.model.path"),
+                                                                        "verl")}
         # a key the config does not have (Megatron's has no Ulysses size) is at its default
         return {k: DEFAULTS["verl"][k] if v is None else _plain(v) for k, v in out.items()}
     if framework == "openrlhf":
@@ -166,7 +170,8 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
             return value
         special = {"lora": lambda: _lora(get("ds.lora.rank")),
                    "ds.use_liger_kernel": lambda: bool(getattr(args.ds, "use_liger_kernel", False)),
-                   "vision-language model": lambda: support.vision_language(get("actor.model_name_or_path"))}
+                   "vision-language model": lambda: support.vision_language_setting(
+                       get("actor.model_name_or_path"), "openrlhf")}
         return {k: special[k]() if k in special else _plain(get(k)) for k in DEFAULTS["openrlhf"]}
     from kl_adapters.doctor import trl as reader
 
@@ -178,7 +183,7 @@ def features(framework: str, argv: list[str], options: dict, text: str) -> dict:
             "peft (LoRA reference)": _use_peft(argv) or "peft_config=LoraConfig(" in text,
             "use_liger_kernel": bool(getattr(config, "use_liger_kernel", False)),
             "deepspeed / fsdp": bool(getattr(config, "deepspeed", None) or getattr(config, "fsdp", None)),
-            "vision-language model": support.vision_language(_value(argv, "--model_name_or_path"))}
+            "vision-language model": support.vision_language_setting(_value(argv, "--model_name_or_path"), "trl")}
 
 
 def _value(argv: list[str], flag: str) -> str | None:

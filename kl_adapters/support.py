@@ -52,14 +52,14 @@ SETTINGS = {
     "sharding": "DeepSpeed ZeRO / FSDP",
     "megatron": "Megatron",
     "data-parallel": "multi-node / data parallel",
-    "vision-language": "vision-language models",
+    "vision-language": "vision-language models of a tested family (Qwen2-VL, Qwen2.5-VL; OpenRLHF also Qwen3.5)",
+    "vision-language-other": "other vision-language models (GLM-4.1V, MiniCPM-o, Gemma 3, ...)",
     "liger": "Liger kernels",
     "dynamic-batch": "dynamic batch size",
     "off-policy": "off-policy (several updates per rollout)",
     "async": "asynchronous rollouts (lag)",
 }
 
-_NO_IMAGES = "no test feeds images (the tests' models are text-only Llamas)"
 _VERL_ENGINE = "tests/verl/test_coverage_engine.py::test_remove_padding_dynamic_batch_size_and_lora_match_the_oracle"
 
 MATRIX: dict[tuple[str, str], Entry] = {
@@ -109,6 +109,9 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "(the tests' processor is Qwen2VLProcessor without its video slot: torchvision does not install beside a CPU "
         "torch)",
         "tests/trl/test_vision_language.py::test_gradient_is_task_plus_kl_surrogate"),
+    ("trl", "vision-language-other"): Entry(
+        ACCEPTED, "a vision-language model of another family: GRPOTrainer passes its processor's inputs to every "
+        "forward as for Qwen2-VL, but no test runs one (the tests' vision-language model is a Qwen2-VL)"),
     ("trl", "liger"): Entry(
         TESTED, "use_liger_kernel=True: transformers' Trainer swaps the layer kernels (trl >= 1.15 with Liger's fused "
         "cross-entropy off) and trl 1.14.x computes the log-probs with its own chunked torch path; the loss is still "
@@ -157,16 +160,30 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "tests/verl/test_gpu.py::test_fsdp_actor_update_on_gpu",
         "tests/verl/test_engine.py::test_fsdp2_engine_on_cpu_matches_the_oracle"),
     ("verl", "megatron"): Entry(
-        ACCEPTED, "actor strategy megatron: the KL term goes through the same ppo_loss, but no test runs the Megatron "
-        "engine (megatron-core is not installed here), and the reduced presets get no pi(EOS) from it (no "
-        "termination control variate); the doctor warns "
+        ACCEPTED, "actor strategy megatron: the KL term goes through the same ppo_loss, and the reduced presets get "
+        "pi(EOS) from the engine's vocab-parallel LM-head logits (termination control variate); on CPU through "
+        "verl's TrainingWorker and Megatron engine at tensor parallel size 2, packed and padded, with test-only "
+        "stand-ins for CUDA and the attention kernel, the update equals the oracle's "
+        "(tests/verl/test_megatron.py::test_engine_update_matches_the_oracle); no GPU run yet "
+        "(tests/verl/test_gpu.py::test_megatron_actor_update_on_gpu), Transformer Engine attention, the distributed "
+        "optimizer and pipeline / context parallelism untested; the doctor warns "
         "(tests/verl/test_coverage_engine.py::test_doctor_warns_that_megatron_is_untested)"),
     ("verl", "data-parallel"): Entry(
         TESTED, "ranks of the FSDP engine: the statistics fitted once per update on every rank's rows (gathered over "
         "ppo_loss's dp_group); multi-node: the verl.plugins entry point and the job's runtime_env reach every worker "
         "on every node (one node's Ray cluster: tests/verl/test_ray.py::test_ray_workers_run_the_patched_loss)",
         "tests/verl/test_data_parallel.py::test_world_size_2_gradient_is_world_size_1"),
-    ("verl", "vision-language"): Entry(ACCEPTED, f"a vision-language model: nothing refuses it, and {_NO_IMAGES}"),
+    ("verl", "vision-language"): Entry(
+        TESTED, "Qwen2.5-VL and Qwen2-VL with images through verl's FSDP2 engine (verl's own Qwen VL forward, per-row "
+        "multi_modal_inputs, 4-row mrope position ids; remove-padding and padded): pi(EOS) equals a separate "
+        "transformers forward's (kept rows keyed by their tokens and images), the update equals the oracle's for "
+        "sequence, sequence-plain and token, flag off bit-identical (a test-only CPU stand-in for flash-attention's "
+        "varlen kernel)",
+        "tests/verl/test_vision_language.py::test_update_matches_the_oracle"),
+    ("verl", "vision-language-other"): Entry(
+        ACCEPTED, "a vision-language model of another family: verl has a forward per family "
+        "(verl/models/transformers/), which no test runs; GLM-4.1V fails in verl 0.9.1's own glm4v forward under "
+        "transformers 5 (with or without kl-adapters), MiniCPM-o is remote code"),
     ("verl", "liger"): Entry(
         ACCEPTED, "actor_rollout_ref.model.use_liger swaps layer kernels with fused_linear_cross_entropy off, so verl "
         "still makes the logits the adapter reads; not run (Liger needs a GPU)"),
@@ -203,7 +220,7 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "tests/openrlhf/test_ring_attention.py::test_ring_attention_gradient_is_world_size_1"),
     ("openrlhf", "tensor-parallel"): Entry(
         REFUSED, "--ds.tensor_parallel_size > 1 is refused before Ray starts (it needs several GPUs)",
-        "tests/openrlhf/test_doctor.py::test_support_settings_print_their_verdict"),
+        "tests/openrlhf/test_cli.py::test_untested_code_path_is_refused"),
     ("openrlhf", "sharding"): Entry(
         ACCEPTED, "OpenRLHF always trains through DeepSpeed (--ds.zero_stage, default 2); the adapter reads log-probs "
         "and logits from OpenRLHF's forward, never a parameter. ZeRO stage 0 ran on an H200 "
@@ -216,11 +233,15 @@ MATRIX: dict[tuple[str, str], Entry] = {
         "travels in OpenRLHF's pickled args to every actor",
         "tests/openrlhf/test_data_parallel.py::test_world_size_2_gradient_is_world_size_1"),
     ("openrlhf", "vision-language"): Entry(
-        TESTED, "a vision-language model (a tiny Qwen2-VL with images): the images ride in Experience.mm_train_inputs "
+        TESTED, "a vision-language model (a tiny Qwen2-VL, and a tiny Qwen3.5 with its gated delta-net layers, "
+        "the family of OpenRLHF's VLM example; with images): the images ride in Experience.mm_train_inputs "
         "into OpenRLHF's forward, which the reduced presets read pi(EOS) from, and every step's gradient (vision tower "
         "included) is the task's plus grad kl_surrogate (the tests' processor is Qwen2VLProcessor without its video "
         "slot: torchvision does not install beside a CPU torch)",
         "tests/openrlhf/test_coverage_vlm.py::test_vlm_gradient_is_task_plus_kl_surrogate"),
+    ("openrlhf", "vision-language-other"): Entry(
+        ACCEPTED, "a vision-language model of another family: OpenRLHF's forward takes its processor's inputs as "
+        "for Qwen2-VL, but no test runs one (the tests' vision-language models are a Qwen2-VL and a Qwen3.5)"),
     ("openrlhf", "liger"): Entry(
         ACCEPTED, "--ds.use_liger_kernel loads Liger's causal LM; OpenRLHF's forward passes no labels, so the logits "
         "the adapter reads are still made; not run (Liger needs a GPU)"),
@@ -240,10 +261,32 @@ MATRIX: dict[tuple[str, str], Entry] = {
 _VISION_LANGUAGE_NAME = re.compile(r"(?i)-vl\b|vl-|minicpm-?o|\d\.?\dv-|llava|vision|gemma-?3|idefics|smolvlm|qwen3\.5")
 
 
+#: per framework, the vision-language families its tests run (the "vision-language" setting); any other
+#: vision-language model is "vision-language-other"
+_QWEN2_VL = r"qwen2(?:\.5)?-vl"
+_TESTED_FAMILIES = {"trl": re.compile(rf"(?i){_QWEN2_VL}"), "verl": re.compile(rf"(?i){_QWEN2_VL}"),
+                    "openrlhf": re.compile(rf"(?i){_QWEN2_VL}|qwen3\.5")}
+
+
 def vision_language(model_path) -> bool:
     """Whether a configuration's model is a vision-language model, by its name (a path computed at run time, or any
-    other value, reads as a text model): how the doctor and bench/coverage.py recognise the setting."""
+    other value, reads as a text model)."""
     return isinstance(model_path, str) and _VISION_LANGUAGE_NAME.search(model_path) is not None
+
+
+def vision_language_setting(model_path, framework: str) -> str | None:
+    """The matrix's setting a model turns on in a framework, by its name: "vision-language" (a family the
+    framework's tests run), "vision-language-other" (another vision-language model) or None (a text model): how the
+    doctor and bench/coverage.py recognise it."""
+    if not vision_language(model_path):
+        return None
+    return "vision-language" if _TESTED_FAMILIES[framework].search(model_path) else "vision-language-other"
+
+
+def vision_language_settings(model_path, framework: str) -> dict[str, bool]:
+    """Both vision-language settings, each on or off for this model (`vision_language_setting`): the doctors'."""
+    found = vision_language_setting(model_path, framework)
+    return {key: found == key for key in ("vision-language", "vision-language-other")}
 
 
 def entry(framework: str, setting: str) -> Entry:

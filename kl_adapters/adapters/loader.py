@@ -27,7 +27,8 @@ ADAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trl": ("kl_adapters.adapters.trl", ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")),
     # verl: the modules of kl_adapters.adapters.verl.SITES; a release lacks some (0.9.x: main_ppo_sync, 0.8.0: ppo.v1)
     "verl": ("kl_adapters.adapters.verl", ("verl.utils.config", "verl.trainer.constants_ppo", "verl.workers.utils.losses",
-                                           "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine_workers",
+                                           "verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine",
+                                           "verl.workers.engine_workers",
                                            "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.utils",
                                            "verl.trainer.ppo.v1.trainer_base",
                                            "verl.trainer.main_ppo_sync")),

@@ -266,7 +266,7 @@ def _support(report: Report, args) -> None:
           "tensor-parallel": ds.tensor_parallel_size > 1,
           "sharding": ds.zero_stage > 0,
           "data-parallel": actor.num_nodes * actor.num_gpus_per_node > 1,
-          "vision-language": support.vision_language(actor.model_name_or_path),
+          **support.vision_language_settings(actor.model_name_or_path, "openrlhf"),
           "liger": bool(getattr(ds, "use_liger_kernel", False)),
           "dynamic-batch": bool(train.dynamic_batch_enable),
           "off-policy": OFF in report.regimes,

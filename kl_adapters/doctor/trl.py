@@ -245,7 +245,7 @@ def _support(report: Report, config, model, processes: int) -> None:
           "vllm": bool(config.use_vllm),
           "sharding": bool(config.deepspeed or config.fsdp),
           "data-parallel": processes > 1,
-          "vision-language": support.vision_language(getattr(model, "model_name_or_path", None)),
+          **support.vision_language_settings(getattr(model, "model_name_or_path", None), "trl"),
           "liger": bool(config.use_liger_kernel),
           "off-policy": OFF in report.regimes}
     notes, warnings = support.doctor_lines("trl", [key for key, turned_on in on.items() if turned_on])

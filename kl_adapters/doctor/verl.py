@@ -211,7 +211,7 @@ def _support(report: Report, config) -> None:
           "megatron": strategy == "megatron",
           "data-parallel": isinstance(value["nnodes"], int) and isinstance(value["n_gpus_per_node"], int)
           and value["nnodes"] * value["n_gpus_per_node"] > 1,
-          "vision-language": support.vision_language(value["model"]),
+          **support.vision_language_settings(value["model"], "verl"),
           "liger": value["use_liger"] is True,
           "dynamic-batch": value["use_dynamic_bsz"] is True,
           "off-policy": OFF in report.regimes}

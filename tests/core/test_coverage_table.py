@@ -77,15 +77,19 @@ def test_the_settings_are_the_support_matrixs():
 @pytest.mark.parametrize("framework, key, value, status", [
     ("verl", "ulysses_sequence_parallel_size", 4, "tested"),
     ("verl", "strategy", "megatron", "accepted, untested"),
-    ("verl", "vision-language model", True, "accepted, untested"),
+    ("verl", "vision-language model", "vision-language", "tested"),
+    ("verl", "vision-language model", "vision-language-other", "accepted, untested"),
+    ("openrlhf", "vision-language model", "vision-language", "tested"),
+    ("trl", "vision-language model", "vision-language", "tested"),
     ("openrlhf", "ds.ring_attn_size", 2, "tested"),
     ("openrlhf", "ds.tensor_parallel_size", 2, "refused"),
     ("trl", "use_liger_kernel", True, "tested"),
     ("trl", "deepspeed / fsdp", True, "accepted, untested"),
 ])
 def test_the_changed_and_added_settings_read_the_matrix(framework, key, value, status):
-    """The verdicts this table depends on follow kl_adapters/support.py: Ulysses and TRL's Liger tested, TRL under
-    DeepSpeed / FSDP accepted but untested, OpenRLHF's ring attention tested and its tensor parallelism refused."""
+    """The verdicts this table depends on follow kl_adapters/support.py: Ulysses, TRL's Liger, OpenRLHF's ring
+    attention and the Qwen2-VL family of vision-language models tested, TRL under DeepSpeed / FSDP, Megatron and other
+    vision-language families accepted but untested, OpenRLHF's tensor parallelism refused."""
     from kl_adapters import support
 
     bench = _bench()

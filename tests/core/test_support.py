@@ -41,7 +41,8 @@ NAMES = {
     "sharding": {None: r"\bZeRO\b|\bDeepSpeed\b|\bFSDP2?\b|strategy `?fsdp2?\b"},
     "megatron": {"verl": r"\bMegatron\b"},
     "data-parallel": {None: r"data[- ]parallel(?:ism)?\b|multi-node|world size 2"},
-    "vision-language": {None: r"vision-language|\bVLMs?\b|multimodal"},
+    "vision-language": {None: r"vision-language|\bVLMs?\b|multimodal|Qwen2(?:\.5)?-VL"},
+    "vision-language-other": {None: r"GLM-4\.1V|MiniCPM-o"},
     "liger": {"trl": r"(?<!ds\.)use_liger_kernel", "openrlhf": r"--ds\.use_liger_kernel", "verl": r"model\.use_liger\b",
               None: r"\bLiger\b"},
     "dynamic-batch": {"verl": r"use_dynamic_bsz", "openrlhf": r"dynamic_batch_enable",
@@ -145,19 +146,25 @@ def test_the_page_is_the_modules():
 
 def test_the_doctor_lines():
     """Tested: a note naming the test; accepted or refused: a warning saying what happens; not applicable: nothing."""
-    notes, warnings = support.doctor_lines("openrlhf", ["lora", "megatron", "sequence-parallel", "sharding"])
+    notes, warnings = support.doctor_lines("openrlhf", ["lora", "megatron", "tensor-parallel", "sharding"])
     assert notes == [f"LoRA: tested ({support.entry('openrlhf', 'lora').test}; docs/support.md)"]
     assert [code for code, _ in warnings] == ["refused-path", "untested-path"]  # the matrix's order
-    assert warnings[0][1].endswith("sequence parallelism (Ulysses, ring attention, context parallelism): refused "
-                                   "(tests/openrlhf/test_cli.py::test_untested_code_path_is_refused; "
-                                   "docs/support.md)")
+    assert warnings[0][1].endswith("tensor parallelism: refused (tests/openrlhf/test_cli.py::"
+                                   "test_untested_code_path_is_refused; docs/support.md)")
     assert warnings[1][1].startswith("OpenRLHF always trains through DeepSpeed")
 
 
 def test_vision_language_names():
-    assert [support.vision_language(n) for n in ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct", None,
-                                                  "OpenGVLab/InternVL3-1B", "google/gemma-3-4b-it")] == [
-        True, False, False, False, True]
+    names = ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct", None, "OpenGVLab/InternVL3-1B",
+             "google/gemma-3-4b-it", "Qwen/Qwen2-VL-2B", "zai-org/GLM-4.1V-9B-Thinking", "openbmb/MiniCPM-o-2_6")
+    assert [support.vision_language(n) for n in names] == [True, False, False, False, True, True, True, True]
+    assert [support.vision_language_setting(n, "verl") for n in names] == [
+        "vision-language", None, None, None, "vision-language-other", "vision-language", "vision-language-other",
+        "vision-language-other"]
+    assert support.vision_language_settings(names[6], "trl") == {"vision-language": False,
+                                                                "vision-language-other": True}
+    assert [support.vision_language_setting("Qwen/Qwen3.5-2B", fw) for fw in ("openrlhf", "verl")] == [
+        "vision-language", "vision-language-other"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -189,7 +196,7 @@ Ulysses runs fine here (code blocks are not read)
     assert [f.split(", but: ")[0] for f in found] == [
         "verl.md: packed samples / remove-padding in OpenRLHF is tested",
         "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in verl is tested",
-        "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in OpenRLHF is refused",
+        "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in OpenRLHF is tested",
         "verl.md: Megatron in verl is accepted, untested",
         "verl.md: sequence parallelism (Ulysses, ring attention, context parallelism) in verl is tested",
         "verl.md: packed samples / remove-padding in verl is tested"], found

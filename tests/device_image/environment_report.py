@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 MODULES = {
     "trl": ["trl", "trl.trainer.grpo_trainer", "peft", "datasets"],
     "verl": ["verl", "verl.workers.engine_workers", "verl.workers.utils.losses", "verl.trainer.ppo.ray_trainer",
-             "verl.trainer.ppo.v1", "tensordict"],
+             "verl.trainer.ppo.v1", "tensordict", "megatron.core", "verl.workers.engine.megatron.transformer_impl"],
     "openrlhf": ["openrlhf", "openrlhf.trainer.ray.ppo_actor", "openrlhf.utils.deepspeed", "deepspeed"],
 }
 

@@ -5,8 +5,17 @@ image_grid_thw: utils/vlm_utils.py:process_prompt_with_images) ride in ``Experie
 replay buffer; ActorPPOTrainer.training_step merges a micro-batch's (merge_mm_train_inputs) and passes them to
 Actor.forward, which builds Qwen's mm_token_type_ids and lets the model compute its M-RoPE positions.
 
-Checked on a tiny random Qwen2-VL (a config, no hub: 2 text layers, a 1-block vision tower) with synthetic 56x56 images,
-tokenized by OpenRLHF's own process_prompt_with_images with transformers' Qwen2VLProcessor (4 image tokens a prompt):
+Checked on two tiny random model families (configs, no hub; each with a 1-block vision tower) with synthetic images,
+tokenized by OpenRLHF's own process_prompt_with_images (4 image tokens a prompt):
+
+* ``qwen2_vl``: a Qwen2-VL (2 text layers) with transformers' Qwen2VLProcessor, 56x56 images (patches of 14);
+* ``qwen3_5``: a Qwen3.5 (transformers' ``qwen3_5``: Qwen3_5ForConditionalGeneration, the architecture of the example's
+  Qwen/Qwen3.5-2B) with one gated delta-net linear-attention layer and one gated full-attention layer, interleaved
+  M-RoPE, and the processor transformers maps ``qwen3_5`` to (Qwen3VLProcessor around the Qwen2-VL image processor,
+  patches of 16: 64x64 images). Without flash-linear-attention and causal-conv1d (not installed here) transformers
+  runs the linear attention's pure-torch fallbacks (torch_chunk_gated_delta_rule, causal_conv1d_fn).
+
+For each family:
 
 * the rollout forward with images: under ``sequence`` the Actor's log-probs are OpenRLHF's bit for bit and carry
   pi(EOS | y_<t) = the softmax of a separate forward of the model with the same images; other images give other
@@ -16,15 +25,18 @@ tokenized by OpenRLHF's own process_prompt_with_images with transformers' Qwen2V
   OpenRLHF's ppo_train on 8 ragged rows (2 prompts with their own image, 4 samples each, micro-batches of
   2, gradient accumulation 2, 2 epochs, off-policy) gives at every optimizer step grad(OpenRLHF's task loss) +
   beta * grad[(1/N_tok) sum_b kl_surrogate_b], each row with its rollout statistics and the current policy's pi(EOS)
-  read from the forward with images (test_loss_path.py's identity), and the KL's gradient reaches the vision tower.
+  read from the forward with images (test_loss_path.py's identity), and the KL's gradient reaches the vision tower
+  (and, for Qwen3.5, the linear-attention layer).
 
-The processor is built without a video processor: transformers requires one, which needs torchvision (not installed
+The processors are built without a video processor: transformers requires one, which needs torchvision (not installed
 here); no video is processed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -53,12 +65,11 @@ VOCAB = 64
 VISION_START, VISION_END, IMAGE, VIDEO = 2, 3, 4, 5
 #: each prompt: its image (4 image tokens once the processor expands it) and two words
 PROMPT = "<|vision_start|><|image_pad|><|vision_end|> w7 w8"
-SIDE = 56  # pixels: 4 x 4 patches of 14, merged 2 x 2 into 4 image tokens
 GROUP = 4
 
 
 def tokenizer():
-    """A word-level tokenizer with Qwen2-VL's vision tokens."""
+    """A word-level tokenizer with Qwen's vision tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,25 +82,30 @@ def tokenizer():
                                    additional_special_tokens=special)
 
 
-def processor():
-    """transformers' Qwen2VLProcessor (PIL image processor, one image = 4 merged tokens) without a video processor,
-    which transformers checks for and which needs torchvision (the check is skipped while it is built)."""
-    from transformers import Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+def without_video_processor(processor_class, image_processor):
+    """processor_class(image_processor, tokenizer()) without a video processor, which transformers checks for and
+    which needs torchvision (the check is skipped while it is built)."""
     from transformers.processing_utils import ProcessorMixin
 
     check = ProcessorMixin.check_argument_for_proper_class
     ProcessorMixin.check_argument_for_proper_class = (
         lambda self, name, arg: None if name == "video_processor" else check(self, name, arg))
     try:
-        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=SIDE * SIDE,
-                                                                         max_pixels=SIDE * SIDE),
-                                tokenizer=tokenizer(), video_processor=None)
+        return processor_class(image_processor=image_processor, tokenizer=tokenizer(), video_processor=None)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def save_tiny_vlm(path: str, seed: int) -> str:
+def qwen2_vl_processor(side: int):
+    """transformers' Qwen2VLProcessor (PIL image processor, patches of 14: one side x side image = 4 merged tokens)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return without_video_processor(Qwen2VLProcessor, Qwen2VLImageProcessorPil(min_pixels=side * side,
+                                                                              max_pixels=side * side))
+
+
+def save_tiny_qwen2_vl(path: str, seed: int) -> str:
     """A tiny random Qwen2-VL (text: 2 layers, width 32, M-RoPE; vision: 1 block, patches of 14) saved to `path`."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -107,30 +123,113 @@ def save_tiny_vlm(path: str, seed: int) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> str:
-    return save_tiny_vlm(str(tmp_path_factory.mktemp("vlm_actor")), seed=1)
+def qwen3_5_processor(side: int):
+    """The processor transformers' auto classes give ``qwen3_5``: Qwen3VLProcessor around the Qwen2-VL image processor
+    (PIL), with Qwen3.5's preprocessor settings (patches of 16, merge 2, mean = std = 0.5): one side x side image = 4
+    merged tokens."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                               min_pixels=side * side, max_pixels=side * side,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return without_video_processor(Qwen3VLProcessor, image_processor)
+
+
+def save_tiny_qwen3_5(path: str, seed: int) -> str:
+    """A tiny random Qwen3.5 saved to `path`. Text: width 32, a gated delta-net linear-attention layer (4 value heads
+    over 2 key heads of 8, causal conv of 4) then a gated full-attention layer (4 heads of 16 over 2 key-value heads),
+    interleaved M-RoPE on half of each head (partial rotary; Qwen3.5's: a quarter); vision: 1 block, patches of 16, a
+    4 x 4 learned position grid.
+
+    Each linear-attention head's decay rate A is drawn from U(0, 1) instead of transformers' U(0, 16): with that one
+    and dt_bias = 1 the state decays by exp(-A softplus(1)), exp(-10) a token on average (all four heads above 10 with
+    these seeds), so the recurrence would forget the prompt at once; with U(0, 1) it keeps 27% or more a token, and the
+    prompt (and its image) reaches the response through it too."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                         max_position_embeddings=256,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                              mrope_section=[2, 1, 1], mrope_interleaved=True),
+                         eos_token_id=EOS, pad_token_id=PAD, bos_token_id=EOS),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
+                           num_position_embeddings=16),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        tie_word_embeddings=False)
+    model = Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            if layer.block_type == "linear_attention":
+                layer.linear_attn.A_log.copy_(torch.rand(layer.linear_attn.A_log.shape).log())
+    model.save_pretrained(path)
+    return path
+
+
+class Family(NamedTuple):
+    """A vision-language model family the tests run: its model class, a tiny random model saved to a folder (path,
+    seed), its processor for side x side images, that side, and the parameter names (substrings) the KL's gradient
+    must reach."""
+
+    model_class: str
+    save: Callable[[str, int], str]
+    processor: Callable[[int], Any]
+    side: int
+    reached: tuple[str, ...]
+
+
+FAMILIES = {
+    "qwen2_vl": Family("Qwen2VLForConditionalGeneration", save_tiny_qwen2_vl, qwen2_vl_processor, 56, ("visual",)),
+    "qwen3_5": Family("Qwen3_5ForConditionalGeneration", save_tiny_qwen3_5, qwen3_5_processor, 64,
+                      ("visual", "linear_attn")),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for this module (restored after): the tiny models are overhead-bound, and two OpenMP threads
+    on a shared 2-core machine made each small op 6-12 ms (the file: 98 s, against 9.3 s with one; measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> Family:
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="module")
-def vlm_ref_dir(tmp_path_factory) -> str:
-    return save_tiny_vlm(str(tmp_path_factory.mktemp("vlm_ref")), seed=2)
+def vlm_dir(family, tmp_path_factory) -> str:
+    return family.save(str(tmp_path_factory.mktemp("vlm_actor")), 1)
 
 
-def image(seed: int):
+@pytest.fixture(scope="module")
+def vlm_ref_dir(family, tmp_path_factory) -> str:
+    return family.save(str(tmp_path_factory.mktemp("vlm_ref")), 2)
+
+
+def image(seed: int, side: int):
     from PIL import Image
 
-    return Image.fromarray((np.random.RandomState(seed).rand(SIDE, SIDE, 3) * 255).astype("uint8"))
+    return Image.fromarray((np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8"))
 
 
-def prompts(image_seeds: list[int]) -> tuple[list[list[int]], list[dict]]:
+def prompts(family: Family, image_seeds: list[int]) -> tuple[list[list[int]], list[dict]]:
     """Each row's prompt token ids and processor outputs (OpenRLHF's process_prompt_with_images): rows of a GRPO group
     share their prompt's image."""
     from openrlhf.utils.vlm_utils import process_prompt_with_images
 
-    proc, ids, mm = processor(), [], []
+    proc, ids, mm = family.processor(family.side), [], []
     for seed in image_seeds:
-        row_ids, row_mm, _ = process_prompt_with_images(proc, PROMPT, [image(seed)])
+        row_ids, row_mm, _ = process_prompt_with_images(proc, PROMPT, [image(seed, family.side)])
         ids.append(row_ids)
         mm.append(row_mm)
     return ids, mm
@@ -169,11 +268,12 @@ class WithImages:
 
 
 @pytest.fixture(scope="module")
-def batch(vlm_dir, vlm_ref_dir) -> dict:
+def batch(family, vlm_dir, vlm_ref_dir) -> dict:
     """test_loss_path.py's batch with images: 2 prompts (each its own image) x 4 samples, ragged responses of random
     words (the shorter ones end with EOS), right-padded after [prompt, response]; behaviour log-probs of a perturbed
     policy, the reference's, nonzero advantages, and the behaviour policy's pi(EOS) (all forwards with the images)."""
-    ids, mm = prompts([10 + b // GROUP for b in range(len(RESPONSES))])
+    ids, mm = prompts(family, [10 + b // GROUP for b in range(len(RESPONSES))])
+    assert [row.count(IMAGE) for row in ids] == [4] * len(RESPONSES)
     prompt, width = len(ids[0]), max(RESPONSES)
     gen = torch.Generator().manual_seed(0)
     sequences = torch.full((len(RESPONSES), prompt + width), PAD)
@@ -196,7 +296,7 @@ def batch(vlm_dir, vlm_ref_dir) -> dict:
     return out
 
 
-def test_rollout_forward_with_images_carries_pi_eos(vlm_dir, batch):
+def test_rollout_forward_with_images_carries_pi_eos(family, vlm_dir, batch):
     """Rollout time (PolicyModelActor.forward: no gradient, the rows' pixel_values / image_grid_thw as keywords): under
     ``sequence`` OpenRLHF's log-probs bit for bit, carrying pi(EOS) = a separate forward's softmax with the images;
     other images give other log-probs."""
@@ -205,13 +305,13 @@ def test_rollout_forward_with_images_carries_pi_eos(vlm_dir, batch):
     from kl_adapters.adapters.openrlhf.eos_payload import LogProbsWithEos, split_eos
 
     actor = load_actor(vlm_dir)
-    assert actor.is_vlm and type(actor.model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert actor.is_vlm and type(actor.model).__name__ == family.model_class
     rows = [0, 1, 4, 5]  # two rows of each prompt
     sequences, attention_mask, action_mask = (batch[k][rows] for k in ("sequences", "attention_mask", "action_mask"))
     mm = merged([batch["mm_train_inputs"][r] for r in rows])
     with torch.no_grad():
         native = actor(sequences, action_mask, attention_mask, **mm)
-        other_images = actor(sequences, action_mask, attention_mask, **merged(prompts([20, 20, 21, 21])[1]))
+        other_images = actor(sequences, action_mask, attention_mask, **merged(prompts(family, [20, 20, 21, 21])[1]))
         kl_adapters.enable("sequence")
         ours = actor(sequences, action_mask, attention_mask, **mm)
     assert isinstance(ours, LogProbsWithEos)
@@ -223,11 +323,11 @@ def test_rollout_forward_with_images_carries_pi_eos(vlm_dir, batch):
     assert torch.equal(eos.is_eos, expected.is_eos) and eos.is_eos.sum() == 2  # rows 1 and 4 end with EOS
 
 
-def test_vlm_gradient_is_task_plus_kl_surrogate(vlm_dir, batch, cpu_cuda):
+def test_vlm_gradient_is_task_plus_kl_surrogate(family, vlm_dir, batch, cpu_cuda):
     """The example's --data.max_images_per_prompt 1 (no packing, group_norm: no critic, as OpenRLHF requires of VLMs)
     with the launcher's --algo.kl.preset sequence passes OpenRLHF's and kl-adapters' validation; OpenRLHF's ppo_train
     on the batch with its images gives every optimizer step the gradient of test_loss_path.py's identity (float32
-    rounding), its KL part nonzero on the vision tower."""
+    rounding), its KL part nonzero on the vision tower (and on Qwen3.5's linear-attention layer)."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     from kl_adapters.adapters.openrlhf.statistics import attach
@@ -251,8 +351,9 @@ def test_vlm_gradient_is_task_plus_kl_surrogate(vlm_dir, batch, cpu_cuda):
     assert len(log.grad_log) == len(steps) // GAS == 4
     assert all(len(exp.mm_train_inputs) == len(exp.sequences) for exp, _ in steps)  # each row's images rode along
     sizes = [p.numel() for p in log.params_log[0].values()]
-    vision = torch.cat([torch.full((n,), "visual" in name) for name, n in zip(log.params_log[0], sizes)])
-    assert vision.any()
+    parts = {part: torch.cat([torch.full((n,), part in name) for name, n in zip(log.params_log[0], sizes)])
+             for part in family.reached}
+    assert all(mask.any() for mask in parts.values())
     for k, grad in enumerate(log.grad_log):
         model = WithImages(load_params(vlm_dir, log.params_log[k]), batch)
         window = steps[GAS * k:GAS * (k + 1)]
@@ -260,5 +361,6 @@ def test_vlm_gradient_is_task_plus_kl_surrogate(vlm_dir, batch, cpu_cuda):
         task_only = reference_grad(model, window, trainer, settings, 0.0, statistics=(batch, stats))
         kl_part = expected - task_only
         assert kl_part.norm() > 0.1 * expected.norm(), "the KL term must matter in this test"
-        assert kl_part[vision].norm() > 0, "the KL's gradient reaches the vision tower"
+        for part, mask in parts.items():
+            assert kl_part[mask].norm() > 0, f"the KL's gradient reaches {part}"
         assert (grad - expected).norm() < 1e-4 * kl_part.norm(), f"step {k}"

@@ -322,6 +322,7 @@ PACKED = ["--ds.packing_samples", "--vllm.num_engines", "1"]  # OpenRLHF packs o
     ("tensor-parallel", ["--ds.tensor_parallel_size", "2"]), ("sharding", ["--ds.zero_stage", "2"]),
     ("data-parallel", ["--actor.num_gpus_per_node", "2"]),
     ("vision-language", ["--actor.model_name_or_path", "Qwen/Qwen2.5-VL-7B-Instruct"]),
+    ("vision-language-other", ["--actor.model_name_or_path", "google/gemma-3-4b-it"]),
     ("liger", ["--ds.use_liger_kernel"]), ("dynamic-batch", [*PACKED, "--train.dynamic_batch_enable"]),
     ("off-policy", ["--train.max_epochs", "2"]), ("async", ["--train.async_enable"]),
 ])

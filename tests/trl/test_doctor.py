@@ -234,6 +234,7 @@ def test_full_under_sharding_is_refused(tmp_path):
     ("lora", ["--use_peft"]), ("vllm", ["--use_vllm", "true"]), ("sharding", ["--fsdp", "full_shard auto_wrap"]),
     ("data-parallel", ["--num_processes", "2"]),
     ("vision-language", ["--model_name_or_path", "Qwen/Qwen2.5-VL-3B-Instruct"]),
+    ("vision-language-other", ["--model_name_or_path", "openbmb/MiniCPM-o-2_6"]),
     ("liger", ["--use_liger_kernel", "true"]), ("off-policy", ["--num_iterations", "2"]),
 ])
 def test_support_settings_print_their_verdict(key, extra):

@@ -312,6 +312,7 @@ SUPPORT_BASE = [*LOSS, *ON_POLICY, "actor_rollout_ref.actor.kl_loss_type=kl_adap
     ("sharding", ["actor_rollout_ref.actor.strategy=fsdp2"]), ("megatron", ["--config-name", "ppo_megatron_trainer"]),
     ("data-parallel", ["trainer.n_gpus_per_node=2"]),
     ("vision-language", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-VL-7B-Instruct"]),
+    ("vision-language-other", ["actor_rollout_ref.model.path=zai-org/GLM-4.1V-9B-Thinking"]),
     ("liger", ["actor_rollout_ref.model.use_liger=True"]),
     ("dynamic-batch", ["actor_rollout_ref.actor.use_dynamic_bsz=True"]),
     ("off-policy", ["actor_rollout_ref.actor.ppo_mini_batch_size=64"]),

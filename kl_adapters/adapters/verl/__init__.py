@@ -11,6 +11,7 @@ Modules (the sections of the former adapters/verl.py; names with a leading under
     flags      flag resolution and the refusals at configuration (`flag_settings`, `check_config`)
     loss       the loss path: KL term, batch statistics, metrics (ppo_loss, its policy loss and kl_penalty)
     eos        pi(EOS | y_<t) from the FSDP engine's logits (`end_of_sequence_probabilities`)
+    megatron   the same from the Megatron engine's vocab-parallel logits (where megatron-core is installed)
     reward     the reward path (apply_kl_penalty, the advantage functions)
     kl_budget  the KL budget: beta shipped with each update, its state in the checkpoint
     driver     the Ray job's runtime_env and validate_config
@@ -25,6 +26,9 @@ What is patched (attribute -> wrapper, `SITES`; name-import sites already loaded
     verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits, FSDPEngineWithLMHead.prepare_model_outputs,
     verl.workers.engine_workers.TrainingWorker.infer_batch    `_record_eos`, `_eos_outputs`, `_keep_eos_rows`:
                                                    pi(EOS | y_<t) from the forward's own logits
+    verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead._lm_head_logits_processor,
+    .prepare_model_outputs (trigger verl.workers.engine)    `megatron._record_eos`, `megatron._keep_rows`: the same
+                                                   from the Megatron engine's logits, where megatron-core is installed
     verl.trainer.ppo.ray_trainer.apply_kl_penalty, .compute_advantage,
     verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories    `_kl_in_reward`, `_advantage_then_kl`
     verl.trainer.constants_ppo.get_ppo_ray_runtime_env, verl.utils.config.validate_config    `_forward_env`,
@@ -48,9 +52,12 @@ tests/verl/test_config.py, tests/verl/test_activation.py and tests/verl/test_bud
 
 from __future__ import annotations
 
+import sys
+
 from ... import activation
 from .._guard import require_version
 from ..patching import Site, install, uninstall
+from . import megatron
 from .driver import ADVANTAGES_ENV, _forward_env, _validate_first, advantage_scaling
 from .eos import EOS_PROB, IS_EOS, _eos_outputs, _keep_eos_rows, _record_eos, end_of_sequence_probabilities, eos_token_ids
 from .eos import _row_keys  # noqa: F401 - timed by bench/verl_eos_cost.py as verl._row_keys
@@ -88,6 +95,12 @@ SITES: dict[str, tuple[Site, ...]] = {
              _eos_outputs, owner="FSDPEngineWithLMHead"),
     ),
     "verl.workers.engine_workers": (Site("infer_batch", ("self", "data"), _keep_eos_rows, owner="TrainingWorker"),),
+    # the same from the Megatron engine's LM-head logits (vocab-parallel); verl.workers.engine imports that engine only
+    # where megatron-core is installed, so these sites are installed only where it did (`patch`)
+    "verl.workers.engine": tuple(Site(name, params, wrap, module=megatron.MODULE, owner="MegatronEngineWithLMHead")
+                                 for name, params, wrap in (
+        ("_lm_head_logits_processor", ("self", "logits", "label", "temperature"), megatron._record_eos),
+        ("prepare_model_outputs", ("self", "output", "data"), megatron._keep_rows))),
     "verl.trainer.ppo.ray_trainer": (
         Site("apply_kl_penalty", ("data", "kl_ctrl", "kl_penalty"), _kl_in_reward, everywhere=True),
         Site("compute_advantage", ("data", "adv_estimator"), _advantage_then_kl, everywhere=True),
@@ -140,7 +153,10 @@ def patch(trigger: str) -> None:
     the driver or in the TaskRunner Ray ships from it), and its unpatched compute_advantage_for_multi_trajectories
     would then overwrite the KL reward-to-go of GRPO's reward path."""
     activation.check_environment()
-    install("verl", require_version("verl"), trigger, SITES[trigger])
+    sites = SITES[trigger]
+    if trigger == "verl.workers.engine":  # the Megatron engine's sites, where verl.workers.engine could import it
+        sites = tuple(site for site in sites if site.module in sys.modules)
+    install("verl", require_version("verl"), trigger, sites)
 
 
 def unpatch() -> None:

@@ -67,8 +67,9 @@ def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
     in the actor's training forward under a reduced preset (its loss function, passed here as
     logits_processor_func, `_wants_eos`), add model_output[EOS_PROB] / [IS_EOS] in log_probs' layout; in an armed
     compute_log_prob pass (`_keep_eos_rows`), keep them per row instead. Nothing else changes; with no reduced preset
-    verl's method runs alone. No second forward: `_record_eos` reads the logits this forward already made. Only the
-    FSDP engine is wrapped: other engines (Megatron, ...) add nothing, so no termination control variate there."""
+    verl's method runs alone. No second forward: `_record_eos` reads the logits this forward already made. The
+    Megatron engine has its own pair of wrappers (`megatron`); other engines add nothing, so no termination control
+    variate there."""
 
     def patched(self, output, output_args, micro_batch, logits_processor_func, *args, **kwargs):
         pending = EOS_PENDING.get()
@@ -85,7 +86,8 @@ def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
         if pending is None:
             model_output[EOS_PROB], model_output[IS_EOS] = prob, is_eos
         else:
-            pending.update(zip(_row_keys(micro_batch["input_ids"]), zip(prob.unbind(), is_eos.unbind())))
+            keys = _row_keys(micro_batch["input_ids"], micro_batch.get("multi_modal_inputs", None))
+            pending.update(zip(keys, zip(prob.unbind(), is_eos.unbind())))
         return model_output
 
     return patched
@@ -116,13 +118,46 @@ def _like_log_probs(engine, record: tuple[Tensor, Tensor], log_probs: Tensor, ou
             torch.nested.nested_tensor_from_jagged(is_eos, offsets))
 
 
-def _row_keys(input_ids: Tensor) -> list[bytes]:
-    """One key per row of a nested [B, j] tensor of token ids: a digest of the row's ids (rows with the same tokens
-    have the same end-of-sequence probabilities under the same policy)."""
+def _row_keys(input_ids: Tensor, multi_modal_inputs=None) -> list[bytes]:
+    """One key per row of a nested [B, j] tensor of token ids: a digest of the row's ids and, for a vision-language
+    model, of its entry of verl's `multi_modal_inputs` column (pixel_values, image_grid_thw, ...: the same tokens with
+    another image have other end-of-sequence probabilities); rows with the same tokens and inputs have the same
+    probabilities under the same policy. A row without multi-modal inputs keeps the digest of its ids alone. Pinned by
+    tests/verl/test_vision_language.py (two rows with the same tokens and different images)."""
     import hashlib
 
     values, offsets = input_ids.values().cpu().numpy(), input_ids.offsets().tolist()
-    return [hashlib.blake2b(values[a:b].tobytes(), digest_size=16).digest() for a, b in zip(offsets, offsets[1:])]
+    rows = [None] * (len(offsets) - 1) if multi_modal_inputs is None else list(
+        multi_modal_inputs.tolist() if hasattr(multi_modal_inputs, "tolist") else multi_modal_inputs)
+    keys = []
+    for a, b, inputs in zip(offsets, offsets[1:], rows):
+        digest = hashlib.blake2b(values[a:b].tobytes(), digest_size=16)
+        inputs = getattr(inputs, "data", inputs)  # a NonTensorData entry; None or {} for a text-only row
+        if inputs is not None and not (isinstance(inputs, dict) and not inputs):
+            _digest_update(digest, inputs)
+        keys.append(digest.digest())
+    return keys
+
+
+def _digest_update(digest, value) -> None:
+    """Feed one row's multi-modal inputs (a dict of tensors, lists, scalars) into `digest`: keys in sorted order,
+    tensors by dtype, shape and bytes."""
+    import torch
+
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            digest.update(repr(key).encode())
+            _digest_update(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"[{len(value)}".encode())
+        for item in value:
+            _digest_update(digest, item)
+    elif isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{tensor.dtype}{tuple(value.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy())
+    else:
+        digest.update(repr(value).encode())
 
 
 def _keep_eos_rows(infer_batch: Callable) -> Callable:

@@ -135,8 +135,9 @@ def _reduction_kwargs(c: Captured) -> dict:
                termination control variate. The FSDP engine's forward already makes the logits; `_record_eos` reads
                pi(EOS) beside verl's logprobs_from_logits with two gathers per token (log pi(v) = z_v - z_y +
                log pi(y)), and `_eos_outputs` puts it into model_output (EOS_PROB / IS_EOS, log_probs' layout) for
-               ppo_loss. The EOS ids are the engine's generation config's and tokenizer's (`eos_token_ids`). Other
-               engines (Megatron, ...) add nothing: no termination control variate there."""
+               ppo_loss. The EOS ids are the engine's generation config's and tokenizer's (`eos_token_ids`). The
+               Megatron engine: the same from its vocab-parallel LM-head logits (`megatron`). Other engines add
+               nothing: no termination control variate there."""
     if c.reduction is None:
         return {}
     eos = c.reduction.eos
@@ -287,7 +288,8 @@ def _stored_eos(batch, width: int) -> EndOfSequence | None:
     import torch.nn.functional as F
     from verl.workers.utils.padding import no_padding_2_padding
 
-    keys = _row_keys(batch["input_ids"]) if "input_ids" in batch.keys() else None
+    keys = (_row_keys(batch["input_ids"], batch.get("multi_modal_inputs", None)) if "input_ids" in batch.keys()
+            else None)
     found = EOS_ROWS.take(keys or [])
     if not found or any(row is None for row in found):
         return None

@@ -14,7 +14,7 @@ it (R), and its extent:
     EOS_REQUEST  one forward of the FSDP engine (`EosRequest`): B `eos._eos_outputs` around prepare_model_outputs (the
                  EOS ids, when pi(EOS) is wanted); R `eos._record_eos`, which leaves pi(EOS), is_eos there
     EOS_PENDING  one compute_log_prob pass (row key -> pi(EOS), is_eos): B `eos._keep_eos_rows` around infer_batch;
-                 filled by `eos._eos_outputs`; then moved into `EOS_ROWS`
+                 filled by `eos._eos_outputs` (FSDP) or `megatron._keep_rows` (Megatron); then moved into `EOS_ROWS`
 """
 
 from __future__ import annotations

@@ -6,11 +6,13 @@ First, as verl's compute_log_prob does before an update, TrainingWorker.infer_ba
 the end-of-sequence probabilities the adapter keeps from that forward (and those of the training forward, in
 model_output) are compared with softmax(logits)[EOS] of a separate plain transformers forward.
 Check: one SGD step (lr 1, no weight decay, no clipping) from the same initial weights, once with the patched
-ppo_loss and once with an oracle loss = verl's ppo_loss without KL + kl_surrogate(beta = per_sequence_beta(coef, mask,
-"token-mean", num_tokens=<verl's global token count>)) per micro-batch, for the reduced presets with statistics =
-kl_statistics(old, ref, mask, task=TaskAdvantages(advantages, coef, normalized=True), eos=EndOfSequence(the separate
-forward's pi(EOS), responses == EOS, R)) of the whole batch and each micro-batch's eos; the parameter updates (= the
-gradients) must agree. Then a few AdamW steps with the flag, reporting verl's and kl-adapters' metrics.
+ppo_loss and once with engine_oracle.py's oracle loss (its docstring: the math), its EndOfSequence the separate
+forward's pi(EOS); the parameter updates (= the gradients) must agree. Then a few AdamW steps with the flag, reporting
+verl's and kl-adapters' metrics.
+
+What this script shares with megatron_check.py is engine_oracle.py's; `batch`, `log_probs`, `train`, `oracle` and
+`flag_off_is_upstream` here are its functions over this module's `tokens` and `batch`, read at each call (the scripts
+that import this module -- dp_worker_verl.py, vlm_cases.py -- replace them).
 """
 
 import argparse
@@ -47,7 +49,6 @@ if args.device == "cpu":
 from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from verl.trainer.config import CheckpointConfig  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import (  # noqa: E402
     FSDPActorConfig,
     FSDPEngineConfig,
@@ -57,22 +58,17 @@ from verl.workers.config import (  # noqa: E402
 )
 from verl.workers.engine_workers import TrainingWorker  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 from verl_cases import EOS_ID, R, VOCAB, make_tokens, tiny_llama  # noqa: E402
 
-from kl_adapters import (  # noqa: E402
-    EndOfSequence,
-    TaskAdvantages,
-    get_preset,
-    kl_statistics,
-    kl_surrogate,
-    per_sequence_beta,
-)
-from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
+import engine_oracle  # noqa: E402
+from engine_oracle import MICRO  # noqa: E402
+
+# get_preset and verl_adapter: read from this module by dp_worker_verl.py
+from kl_adapters import EndOfSequence, get_preset  # noqa: E402,F401
+from kl_adapters.adapters import verl as verl_adapter  # noqa: E402,F401
 from kl_adapters.adapters.verl import loss as verl_loss  # noqa: E402
 from kl_adapters.adapters.verl.state import EOS_ROWS  # noqa: E402
 
-COEF, MINI, MICRO = 0.5, 8, 4
 #: token budget of a dynamic micro-batch: 1024 is all rows in one; with --dynamic-bsz a smaller one splits the batch
 MAX_TOKENS = 24 if args.dynamic_bsz else 1024
 
@@ -110,33 +106,22 @@ def reset(worker):
 
 
 def actor_config(kl_loss_type, use_kl_loss=True):
-    return FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=MICRO,
-                           use_kl_loss=use_kl_loss, kl_loss_type=kl_loss_type, kl_loss_coef=COEF,
-                           use_dynamic_bsz=args.dynamic_bsz, ppo_max_token_len_per_gpu=MAX_TOKENS,
-                           use_torch_compile=False)
+    return engine_oracle.actor_config(FSDPActorConfig, kl_loss_type, use_kl_loss, strategy="fsdp2",
+                                      use_dynamic_bsz=args.dynamic_bsz, ppo_max_token_len_per_gpu=MAX_TOKENS,
+                                      use_torch_compile=False)
 
 
 tokens = make_tokens(seed=0)
 
 
 def batch(**extra):
-    t = tokens
-    td = tu.get_tensordict({"prompts": t["prompts"], "responses": t["responses"],
-                            "input_ids": torch.cat([t["prompts"], t["responses"]], 1),
-                            "attention_mask": t["attention_mask"],
-                            "position_ids": (t["attention_mask"].cumsum(1) - 1).clamp(min=0),
-                            "response_mask": t["response_mask"], **extra})
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=1.0)
-    return td
+    return engine_oracle.batch(tokens, **extra)
 
 
 def log_probs(worker, no_lora_adapter=False):
-    """compute_log_prob's forward (TrainingWorker.infer_batch): the padded log-probs of the responses; with
-    no_lora_adapter, compute_ref_log_prob's pass through a LoRA actor (its adapter disabled: the base model)."""
-    td = batch()
-    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, no_lora_adapter=no_lora_adapter)
-    return no_padding_2_padding(tu.get(worker.infer_batch(td), "log_probs"), td).float().cpu()
+    """compute_log_prob's forward (engine_oracle.log_probs); with no_lora_adapter, compute_ref_log_prob's pass through
+    a LoRA actor (its adapter disabled: the base model)."""
+    return engine_oracle.log_probs(batch, worker, no_lora_adapter=no_lora_adapter)
 
 
 def separate_eos(path):
@@ -164,24 +149,8 @@ def primed_eos(worker, loss_fn, path):
     return log_probs(worker), EndOfSequence(eos_prob, is_eos, R), kept_error
 
 
-def capturing(config):
-    """partial(ppo_loss, config=...) as verl's worker builds it, recording model_output's EOS_PROB per micro-batch."""
-    captured = []
-
-    def loss(config, model_output, data, dp_group=None):
-        prob = no_padding_2_padding(model_output[verl_adapter.EOS_PROB], data).detach().cpu()
-        captured.append((data[verl_loss._ROW].cpu(), prob))
-        return losses.ppo_loss(config, model_output, data, dp_group)
-
-    return partial(loss, config=config), captured
-
-
 def train(worker, loss_fn, old, ref, adv):
-    worker.set_loss_fn(loss_fn)
-    td = batch(old_log_probs=old, ref_log_prob=ref, advantages=adv)
-    tu.assign_non_tensor(td, global_batch_size=MINI, mini_batch_size=MINI, epochs=1, dp_size=1)
-    output = worker.train_mini_batch(td)  # None where verl returns nothing: Ulysses ranks after a group's first
-    return None if output is None else tu.get(output, "metrics")
+    return engine_oracle.train(batch, worker, loss_fn, old, ref, adv)
 
 
 def params(worker):
@@ -190,32 +159,8 @@ def params(worker):
 
 
 def oracle(config_without_kl, preset, old, ref, adv, eos):
-    """verl's ppo_loss without KL, plus kl_surrogate with verl's global token count (one micro-batch at a time) and,
-    for the reduced presets, the rows' statistics of the whole batch: kl_statistics(old, ref, mask, task, eos) of all
-    B rows, and the rows' eos (the policy is the initial one at every micro-batch: one SGD step). eos None: statistics
-    and loss without it. Each micro-batch row is found in the batch by its behaviour log-probs (independently of the
-    adapter's row tags)."""
-    upstream = losses.ppo_loss.__kl_adapters_original__
-    reduced = get_preset(preset).uses_batch_statistics
-    statistics = kl_statistics(old, ref, tokens["response_mask"].bool(), task=TaskAdvantages(adv, COEF, True),
-                               eos=eos) if reduced else None
-
-    def loss_fn(model_output, data, dp_group=None):
-        loss, metrics = upstream(config_without_kl, model_output, data, dp_group)
-        lp = no_padding_2_padding(model_output["log_probs"], data)
-        td = data.select("response_mask", "old_log_probs", "ref_log_prob").to_padded_tensor()
-        mask = td["response_mask"].bool()
-        beta = per_sequence_beta(COEF, mask, "token-mean", num_tokens=data["batch_num_tokens"] / data["dp_size"])
-        width = mask.shape[1]
-        rows = (td["old_log_probs"][:, None].cpu() == old[None, :, :width]).all(-1).float().argmax(1)
-        kl_kwargs = {} if not reduced else {
-            "statistics": statistics[rows].with_width(width).to(lp.device),
-            "eos": None if eos is None else EndOfSequence(eos.prob[rows, :width].to(lp.device),
-                                                          eos.is_eos[rows, :width].to(lp.device), R)}
-        return loss + kl_surrogate(lp, td["ref_log_prob"], mask, preset=preset, beta=beta,
-                                   old_logp=td["old_log_probs"], **kl_kwargs), metrics
-
-    return loss_fn
+    """engine_oracle.oracle over this batch's response mask."""
+    return engine_oracle.oracle(config_without_kl, preset, tokens["response_mask"], old, ref, adv, eos)
 
 
 def lora_reference(worker, initial):
@@ -233,24 +178,11 @@ def lora_reference(worker, initial):
 
 
 def flag_off_is_upstream(worker, theta0, old, ref, adv) -> bool:
-    """With verl's own kl_loss_type, compute_log_prob's outputs (every key and value) and one update's weights are
-    the same as with the adapter unpatched (last: it unpatches)."""
-    native = partial(losses.ppo_loss, config=actor_config("low_var_kl"))
-    outputs, weights = [], []
-    for patched in (True, False):
-        if not patched:
-            verl_adapter.unpatch()
-        reset(worker)
-        worker.set_loss_fn(native)
-        td = batch()
-        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
-        out = worker.infer_batch(td)
-        outputs.append({k: out[k].values() for k in out.keys() if k != "metrics"})
-        train(worker, native, old, ref, adv)
-        weights.append(params(worker))
-    same_outputs = outputs[0].keys() == outputs[1].keys() and all(
-        torch.equal(outputs[0][k], outputs[1][k]) for k in outputs[0])
-    return same_outputs and torch.equal(*weights) and not torch.equal(weights[0], theta0)
+    """engine_oracle.flag_off_is_upstream from the initial weights (`reset`), and the update moved them (last: it
+    unpatches)."""
+    same, updated = engine_oracle.flag_off_is_upstream(batch, worker, actor_config("low_var_kl"), lambda: reset(worker),
+                                                       lambda: params(worker), old, ref, adv)
+    return same and not torch.equal(updated, theta0)
 
 
 def main():
@@ -260,13 +192,9 @@ def main():
     path = tempfile.mkdtemp(prefix="tiny_llama_")
     save_model(path)
     worker = build_worker(path, "SGD", 1.0)
-    mask = tokens["response_mask"]
-    gen = torch.Generator().manual_seed(1)
-    flagged_loss, captured = capturing(actor_config(f"kl_adapters:{args.preset}"))
+    flagged_loss, captured = engine_oracle.capturing(actor_config(f"kl_adapters:{args.preset}"))
     current, eos, kept_error = primed_eos(worker, flagged_loss, path)
-    old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask  # a behaviour policy != pi_theta
-    ref = (current + 0.5 * torch.randn(current.shape, generator=gen)) * mask
-    adv = torch.randn(mask.shape[0], 1, generator=gen) * mask
+    old, ref, adv = engine_oracle.behaviour(current, tokens["response_mask"])
 
     theta0 = params(worker)
     rows_in = []  # the leading size of each input_ids the model sees in the flagged update: 1 when packed
@@ -276,21 +204,14 @@ def main():
     hook.remove()
     lora = lora_reference(worker, current) if args.lora else {}
     step_flagged = theta0 - params(worker)
-    training_eos = torch.zeros_like(eos.prob)
-    for rows, prob in captured:  # the first update's micro-batches, at the initial weights
-        training_eos[rows, :prob.shape[1]] = prob
-    steps, metrics = {}, {}
-    for name, loss_eos in (("oracle", eos), ("oracle_without_eos", None)):
+
+    def restart():
         reset(worker)  # reload the initial weights
         assert torch.equal(params(worker), theta0)
-        metrics[name] = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref,
-                                             adv, loss_eos), old, ref, adv)
-        steps[name] = theta0 - params(worker)
-    reference, step_oracle = metrics["oracle"], steps["oracle"]
-    reset(worker)
-    train(worker, partial(losses.ppo_loss, config=actor_config("low_var_kl", use_kl_loss=False)),
-                      old, ref, adv)
-    step_task = theta0 - params(worker)
+
+    steps, reference = engine_oracle.oracle_updates(batch, worker, actor_config("low_var_kl", use_kl_loss=False),
+                                                    args.preset, tokens["response_mask"], old, ref, adv, eos, restart,
+                                                    lambda: theta0 - params(worker))
 
     adam = build_worker(path, "AdamW", 1e-2)
     history = []
@@ -298,14 +219,10 @@ def main():
         m = train(adam, partial(losses.ppo_loss, config=actor_config(f"kl_adapters:{args.preset}")), old, ref, adv)
         history.append({k: m[k] for k in ("loss", "grad_norm", "kl_loss", "kl_adapters/seq_kl",
                                           "kl_adapters/grad_weight_gap", "kl_adapters/is_ess") if k in m})
-    kl_part = step_oracle - step_task
     result = {
         "flag_off_equal": flag_off_is_upstream(worker, theta0, old, ref, adv),
         "kept_eos_error": kept_error,  # compute_log_prob's forward vs the separate one (None: nothing kept)
-        "training_eos_error": float((training_eos - eos.prob).abs().max()),
-        "eos_effect": float((steps["oracle_without_eos"] - step_oracle).norm() / kl_part.norm()),
-        "kl_rel_error": float((step_flagged - step_oracle).norm() / kl_part.norm()),
-        "kl_vs_task": float(kl_part.norm() / step_task.norm()),
+        **engine_oracle.update_errors(captured, eos, step_flagged, steps),
         "grad_norms": [flagged["grad_norm"], reference["grad_norm"]],
         "metric_keys": sorted(flagged),
         "history": history,

@@ -14,11 +14,11 @@ buffers) is replaced by a plain SGD step (lr 1) that records the gradient it app
 Checks, in order: `processor` (verl's _lm_head_logits_processor alone, at TP = world size and TP 1), then per
 --variant (verl's thd or bshd forward) `engine_check`: pi(EOS | y_<t) that compute_log_prob's forward keeps for the
 update and the training forward's model_output equal softmax(full logits)[EOS] of the same GPTModel called on each
-sequence by itself (vocab shards gathered); each rank's update (its parameter shard) equals an oracle update (verl's
-ppo_loss without KL + kl_surrogate with verl's token count, the whole batch's statistics with TaskAdvantages and
-EndOfSequence from the separate forward) to float32 rounding, and differs from the oracle without EOS (the
-termination control variate reached the core); with verl's own kl_loss_type the forward's outputs and the update are
-bit-identical to the adapter unpatched.
+sequence by itself (vocab shards gathered); each rank's update (its parameter shard) equals the oracle update of
+engine_oracle.py (its docstring: the math; shared with engine_check.py, as are the batch, the actor configuration
+and the worker calls), its EndOfSequence from the separate forward, to float32 rounding, and differs from the oracle
+without EOS (the termination control variate reached the core); with verl's own kl_loss_type the forward's outputs
+and the update are bit-identical to the adapter unpatched.
 """
 
 import argparse
@@ -55,26 +55,18 @@ if args.device == "cpu":
 
 import megatron_cpu  # noqa: E402
 from megatron.core import parallel_state as mpu  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import HFModelConfig, McoreActorConfig, McoreEngineConfig  # noqa: E402
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 from verl.workers.engine_workers import TrainingWorker  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 from verl_cases import EOS_ID, P, R, VOCAB, make_tokens  # noqa: E402
 
-from kl_adapters import (  # noqa: E402
-    EndOfSequence,
-    TaskAdvantages,
-    get_preset,
-    kl_statistics,
-    kl_surrogate,
-    per_sequence_beta,
-)
+import engine_oracle  # noqa: E402
+from engine_oracle import MICRO  # noqa: E402
+from kl_adapters import EndOfSequence  # noqa: E402
 from kl_adapters.adapters import verl as verl_adapter  # noqa: E402
 from kl_adapters.adapters.verl import loss as verl_loss  # noqa: E402
 
-COEF, MINI, MICRO = 0.5, 8, 4
 DEVICE = args.device
 megatron_cpu.install()
 
@@ -141,34 +133,11 @@ def build(path, variant):
     return worker, model, sgd
 
 
-def actor_config(kl_loss_type, use_kl_loss=True):
-    return McoreActorConfig(rollout_n=4, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=MICRO,
-                            use_kl_loss=use_kl_loss, kl_loss_type=kl_loss_type, kl_loss_coef=COEF,
-                            use_dynamic_bsz=False)
-
-
+actor_config = partial(engine_oracle.actor_config, McoreActorConfig, use_dynamic_bsz=False)
 tokens = make_tokens(seed=0)
-
-
-def batch(**extra):
-    t = tokens
-    td = tu.get_tensordict({"prompts": t["prompts"], "responses": t["responses"],
-                            "input_ids": torch.cat([t["prompts"], t["responses"]], 1),
-                            "attention_mask": t["attention_mask"],
-                            "position_ids": (t["attention_mask"].cumsum(1) - 1).clamp(min=0),
-                            "response_mask": t["response_mask"], **extra})
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=1.0)
-    return td
-
-
-def log_probs(worker):
-    """compute_log_prob's forward (TrainingWorker.infer_batch): the padded log-probs of the responses (None on a rank
-    verl returns no outputs from)."""
-    td = batch()
-    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-    output = worker.infer_batch(td)
-    return None if output is None else no_padding_2_padding(tu.get(output, "log_probs"), td).float().cpu()
+batch = partial(engine_oracle.batch, tokens)
+log_probs = partial(engine_oracle.log_probs, batch)
+train = partial(engine_oracle.train, batch)
 
 
 @torch.no_grad()
@@ -190,53 +159,6 @@ def separate_forward(model):
     return log_prob, prob, (tokens["responses"] == EOS_ID) & tokens["response_mask"].bool()
 
 
-def capturing(config):
-    """partial(ppo_loss, config=...) as verl's worker builds it, recording model_output's EOS_PROB per micro-batch."""
-    captured = []
-
-    def loss(config, model_output, data, dp_group=None):
-        prob = no_padding_2_padding(model_output[verl_adapter.EOS_PROB], data).detach().cpu()
-        captured.append((data[verl_loss._ROW].cpu(), prob))
-        return losses.ppo_loss(config, model_output, data, dp_group)
-
-    return partial(loss, config=config), captured
-
-
-def train(worker, loss_fn, old, ref, adv):
-    worker.set_loss_fn(loss_fn)
-    td = batch(old_log_probs=old, ref_log_prob=ref, advantages=adv)
-    tu.assign_non_tensor(td, global_batch_size=MINI, mini_batch_size=MINI, epochs=1, dp_size=1)
-    output = worker.train_mini_batch(td)  # None on a rank verl returns no outputs from
-    return None if output is None else tu.get(output, "metrics")
-
-
-def oracle(config_without_kl, preset, old, ref, adv, eos):
-    """verl's ppo_loss without KL, plus kl_surrogate with verl's global token count and, for the reduced presets, the
-    rows' statistics of the whole batch (kl_statistics with the task and `eos`; eos None: without it). Each
-    micro-batch row is found in the batch by its behaviour log-probs (independently of the adapter's row tags)."""
-    upstream = losses.ppo_loss.__kl_adapters_original__
-    reduced = get_preset(preset).uses_batch_statistics
-    statistics = kl_statistics(old, ref, tokens["response_mask"].bool(), task=TaskAdvantages(adv, COEF, True),
-                               eos=eos) if reduced else None
-
-    def loss_fn(model_output, data, dp_group=None):
-        loss, metrics = upstream(config_without_kl, model_output, data, dp_group)
-        lp = no_padding_2_padding(model_output["log_probs"], data)
-        td = data.select("response_mask", "old_log_probs", "ref_log_prob").to_padded_tensor()
-        mask = td["response_mask"].bool()
-        beta = per_sequence_beta(COEF, mask, "token-mean", num_tokens=data["batch_num_tokens"] / data["dp_size"])
-        width = mask.shape[1]
-        rows = (td["old_log_probs"][:, None].cpu() == old[None, :, :width]).all(-1).float().argmax(1)
-        kl_kwargs = {} if not reduced else {
-            "statistics": statistics[rows].with_width(width).to(lp.device),
-            "eos": None if eos is None else EndOfSequence(eos.prob[rows, :width].to(lp.device),
-                                                          eos.is_eos[rows, :width].to(lp.device), R)}
-        return loss + kl_surrogate(lp, td["ref_log_prob"], mask, preset=preset, beta=beta,
-                                   old_logp=td["old_log_probs"], **kl_kwargs), metrics
-
-    return loss_fn
-
-
 @torch.no_grad()
 def restore(model, theta0):
     for p, p0 in zip(model.parameters(), theta0):
@@ -244,27 +166,15 @@ def restore(model, theta0):
 
 
 def flag_off_is_upstream(worker, model, theta0, old, ref, adv) -> bool:
-    """With verl's own kl_loss_type, compute_log_prob's outputs (every key and value) and one update's weights are
-    the same as with the adapter unpatched (last: it unpatches)."""
-    native = partial(losses.ppo_loss, config=actor_config("low_var_kl"))
-    outputs, weights = [], []
-    for patched in (True, False):
-        if not patched:
-            verl_adapter.unpatch()
-        restore(model, theta0)
-        worker.set_loss_fn(native)
-        td = batch()
-        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
-        out = worker.infer_batch(td)
-        outputs.append({} if out is None else {k: out[k].values() for k in out.keys() if k != "metrics"})
-        train(worker, native, old, ref, adv)
-        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    same_outputs = outputs[0].keys() == outputs[1].keys() and all(
-        torch.equal(outputs[0][k], outputs[1][k]) for k in outputs[0])
+    """engine_oracle.flag_off_is_upstream from `theta0` (the model's parameters)."""
+    same, _ = engine_oracle.flag_off_is_upstream(batch, worker, actor_config("low_var_kl"),
+                                                 lambda: restore(model, theta0),
+                                                 lambda: torch.cat([p.detach().flatten() for p in model.parameters()]),
+                                                 old, ref, adv)
     for trigger in verl_adapter.SITES:  # patched again, as the entry point leaves verl (for a next variant)
         if trigger in sys.modules:
             verl_adapter.patch(trigger)
-    return same_outputs and torch.equal(*weights)
+    return same
 
 
 def engine_check(variant):
@@ -273,7 +183,7 @@ def engine_check(variant):
     worker, model, sgd = build(path, variant)
     theta0 = [p.detach().clone() for p in model.parameters()]
     mask = tokens["response_mask"]
-    flagged_loss, captured = capturing(actor_config(f"kl_adapters:{args.preset}"))
+    flagged_loss, captured = engine_oracle.capturing(actor_config(f"kl_adapters:{args.preset}"))
 
     worker.set_loss_fn(flagged_loss)  # as ActorRolloutRefWorker.init_model: the loss set before compute_log_prob
     engine_log_probs = log_probs(worker)  # None on the ranks without outputs (tensor-parallel rank > 0)
@@ -283,36 +193,21 @@ def engine_check(variant):
     kept_is_eos = kept is not None and torch.equal(kept.is_eos.cpu(), is_eos)
     log_probs(worker)
     eos = EndOfSequence(eos_prob, is_eos, R)
-    gen = torch.Generator().manual_seed(1)
-    old = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask  # a behaviour policy != pi_theta
-    ref = (current + 0.5 * torch.randn(current.shape, generator=gen)) * mask
-    adv = torch.randn(mask.shape[0], 1, generator=gen) * mask
+    old, ref, adv = engine_oracle.behaviour(current, mask)
 
     megatron_cpu.CALLS.clear()
     flagged = train(worker, flagged_loss, old, ref, adv)
     attention_calls = list(megatron_cpu.CALLS)
-    grads = {"flagged": sgd.last}
-    training_eos = torch.zeros_like(eos.prob)
-    for rows, prob in captured:  # the update's micro-batches, at the initial weights
-        training_eos[rows, :prob.shape[1]] = prob
-    metrics = {}
-    for name, loss_eos in (("oracle", eos), ("oracle_without_eos", None)):
-        restore(model, theta0)
-        metrics[name] = train(worker, oracle(actor_config("low_var_kl", use_kl_loss=False), args.preset, old, ref,
-                                             adv, loss_eos), old, ref, adv)
-        grads[name] = sgd.last
-    restore(model, theta0)
-    train(worker, partial(losses.ppo_loss, config=actor_config("low_var_kl", use_kl_loss=False)), old, ref, adv)
-    kl_part = grads["oracle"] - sgd.last
+    grad_flagged = sgd.last
+    grads, reference = engine_oracle.oracle_updates(batch, worker, actor_config("low_var_kl", use_kl_loss=False),
+                                                    args.preset, mask, old, ref, adv, eos,
+                                                    lambda: restore(model, theta0), lambda: sgd.last)
     result = {
         "kept_eos_error": kept_error,  # compute_log_prob's forward vs the separate one (None: nothing kept)
         "kept_is_eos": kept_is_eos,
-        "training_eos_error": float((training_eos - eos.prob).abs().max()),
-        "eos_effect": float((grads["oracle_without_eos"] - grads["oracle"]).norm() / kl_part.norm()),
-        "kl_rel_error": float((grads["flagged"] - grads["oracle"]).norm() / kl_part.norm()),
-        "kl_vs_task": float(kl_part.norm() / sgd.last.norm()),
+        **engine_oracle.update_errors(captured, eos, grad_flagged, grads),
         "log_probs_error": None if engine_log_probs is None else float((engine_log_probs - current).abs().max()),
-        "grad_norms": None if flagged is None else [flagged["grad_norm"], metrics["oracle"]["grad_norm"]],
+        "grad_norms": None if flagged is None else [flagged["grad_norm"], reference["grad_norm"]],
         "metric_keys": None if flagged is None else sorted(flagged),
         "micro_batch_rows": [len(rows) for rows, _ in captured],
         "attention_calls": attention_calls,  # (tokens, sequences) per stand-in call of the flagged update

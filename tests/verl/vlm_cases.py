@@ -305,6 +305,7 @@ def run_engine(engine_check, family: dict, rows: dict, presets: list[str], *, fl
     from functools import partial
 
     from verl.workers.utils import losses
+    from verl.workers.utils.padding import no_padding_2_padding
 
     from kl_adapters import get_preset
     from kl_adapters.adapters import verl as verl_adapter
@@ -314,7 +315,6 @@ def run_engine(engine_check, family: dict, rows: dict, presets: list[str], *, fl
     eos = family["eos"]
     engine_check.tokens = {k: rows[k] for k in ("prompts", "responses", "attention_mask", "response_mask")}
     engine_check.batch = partial(vlm_batch, rows, family["positions"], family["family"])
-    engine_check.R = R
     CALLS.clear()
     worker = engine_check.build_worker(family["path"], "SGD", 1.0)
     theta0 = engine_check.params(worker)
@@ -343,7 +343,7 @@ def run_engine(engine_check, family: dict, rows: dict, presets: list[str], *, fl
         def flagged_loss(config, model_output, data, dp_group=None, captured=captured):
             """verl's ppo_loss, recording model_output's pi(EOS) per micro-batch where the adapter put it there."""
             if verl_adapter.EOS_PROB in model_output:
-                prob = engine_check.no_padding_2_padding(model_output[verl_adapter.EOS_PROB], data).detach().cpu()
+                prob = no_padding_2_padding(model_output[verl_adapter.EOS_PROB], data).detach().cpu()
                 captured.append((data[verl_loss._ROW].cpu(), prob))
             return losses.ppo_loss(config, model_output, data, dp_group)
 

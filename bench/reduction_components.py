@@ -1,7 +1,9 @@
 """Each switch of `ReductionConfig` turned off, one at a time: what it does to the variance of the trained gradient.
 
 Usage: .venvs/core/bin/python bench/reduction_components.py tabular    (exact; writes reduction_components_tabular.*)
-       .venvs/core/bin/python bench/reduction_components.py bigram     (writes reduction_components_bigram.*)
+       .venvs/core/bin/python bench/reduction_components.py bigram [--switches termination james_stein
+                                                                   termination+james_stein] (a+b: both off at once)
+                                                                       (writes reduction_components_bigram.*)
        .venvs/trl/bin/python bench/reduction_components.py gpt2 [--horizon 32] [--step 50 200] [--groups 32]
                                                                        (writes reduction_components_gpt2_T<horizon>.*)
 (bench/results/<name>.{txt,json}; --name overrides the name.)
@@ -58,8 +60,8 @@ SPACE, TABULAR_BETA, TRAINED_SCALE = sequence_space(3, 3), 0.5, 5.0
 
 
 def without(switch: str) -> ReductionConfig:
-    """The default configuration with one switch off."""
-    return ReductionConfig(**{switch: False})
+    """The default configuration with one switch off ("a+b": those switches off together)."""
+    return ReductionConfig(**{name: False for name in switch.split("+")})
 
 
 @dataclass(frozen=True)
@@ -211,14 +213,14 @@ BIGRAM = ([BigramCell(h, 0.2, "on", st, 0.05, batches=512 if h == 256 else 256) 
              for st in (80, 300)])
 
 
-def _cells(label: str, ratios: dict[str, tuple[float, float] | float]) -> str:
+def _cells(label: str, ratios: dict[str, tuple[float, float] | float], switches: tuple[str, ...] = SWITCHES) -> str:
     def cell(x):
         return f"{x:>9.4f}" if isinstance(x, float) else f"{x[0]:>6.3f}±{x[1]:<6.3f}"
-    return f"{label:<44}" + "".join(f" {cell(ratios[s]):>13}" for s in SWITCHES)
+    return f"{label:<44}" + "".join(f" {cell(ratios[s]):>13}" for s in switches)
 
 
-def _header(title: str) -> list[str]:
-    return [title, f"{'problem':<44}" + "".join(f" {s[:13]:>13}" for s in SWITCHES)]
+def _header(title: str, switches: tuple[str, ...] = SWITCHES) -> list[str]:
+    return [title, f"{'problem':<44}" + "".join(f" {s[:13]:>13}" for s in switches)]
 
 
 def main() -> int:
@@ -228,8 +230,14 @@ def main() -> int:
     ap.add_argument("--step", type=int, nargs="+", default=[50, 200], help="gpt2: the policies measured")
     ap.add_argument("--groups", type=int, default=32, help="gpt2: groups of 32 completions per policy")
     ap.add_argument("--seed", type=int, default=0, help="gpt2: the problem's and the run's seed")
+    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram: the switches turned off, one row "
+                    "each; a+b turns a and b off together (default: every switch)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
+    unknown = [s for s in args.switches for part in s.split("+") if part not in SWITCHES]
+    if unknown or (args.problem != "bigram" and args.switches != list(SWITCHES)):
+        ap.error(f"--switches: bigram only, each of {', '.join(SWITCHES)} (or a+b); got {' '.join(args.switches)}")
+    switches = tuple(args.switches)
     warnings.filterwarnings("ignore")
     note = "variance with the switch off / with every switch on (above 1: the switch lowers the variance)"
     if args.problem == "tabular":
@@ -239,10 +247,10 @@ def main() -> int:
     elif args.problem == "bigram":
         rows = []
         for cell in BIGRAM:
-            rows.append({"cell": asdict(cell), "ratios": bigram_ratios(cell)})
-            print(_cells(_bigram_label(cell), rows[-1]["ratios"]), flush=True)
-        lines = _header(f"bigram, task + KL, G = 8, {note} (+- paired se)")
-        lines += [_cells(_bigram_label(BigramCell(**r["cell"])), r["ratios"]) for r in rows]
+            rows.append({"cell": asdict(cell), "ratios": bigram_ratios(cell, switches)})
+            print(_cells(_bigram_label(cell), rows[-1]["ratios"], switches), flush=True)
+        lines = _header(f"bigram, task + KL, G = 8, {note} (+- paired se)", switches)
+        lines += [_cells(_bigram_label(BigramCell(**r["cell"])), r["ratios"], switches) for r in rows]
     else:
         by_step = gpt2_ratios(args.horizon, args.step, args.groups, args.seed)
         rows = [{"step": step, "ratios": ratios} for step, ratios in by_step.items()]
@@ -252,7 +260,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     name = args.name or "reduction_components_" + (f"gpt2_T{args.horizon}" if args.problem == "gpt2" else args.problem)
-    write_result_and_table(name, {"switches": list(SWITCHES), "rows": rows}, text)
+    write_result_and_table(name, {"switches": list(switches), "rows": rows}, text)
     return 0
 
 

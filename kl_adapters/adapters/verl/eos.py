@@ -83,14 +83,22 @@ def _eos_outputs(prepare_model_outputs: Callable) -> Callable:
         if record is None or model_output.get("log_probs") is None:  # fused kernels: verl made no logits here
             return model_output
         prob, is_eos = _like_log_probs(self, record, model_output["log_probs"], output_args)
-        if pending is None:
-            model_output[EOS_PROB], model_output[IS_EOS] = prob, is_eos
-        else:
-            keys = _row_keys(micro_batch["input_ids"], micro_batch.get("multi_modal_inputs", None))
-            pending.update(zip(keys, zip(prob.unbind(), is_eos.unbind())))
-        return model_output
+        return place_eos(model_output, prob, is_eos, pending, micro_batch)
 
     return patched
+
+
+def place_eos(model_output: dict, prob: Tensor, is_eos: Tensor, pending: dict | None, batch) -> dict:
+    """Where an engine's forward puts its rows' pi(EOS) and end flags: into model_output (EOS_PROB, IS_EOS), where
+    ppo_loss finds them, or, in an armed compute_log_prob pass (`pending`), into the pass's rows keyed by
+    `_row_keys` of the batch's input_ids and multi_modal_inputs. The FSDP engine's and the Megatron engine's
+    (`megatron`) wrappers both end here."""
+    if pending is None:
+        model_output[EOS_PROB], model_output[IS_EOS] = prob, is_eos
+    else:
+        keys = _row_keys(batch["input_ids"], batch.get("multi_modal_inputs", None))
+        pending.update(zip(keys, zip(prob.unbind(), is_eos.unbind())))
+    return model_output
 
 
 def _like_log_probs(engine, record: tuple[Tensor, Tensor], log_probs: Tensor, output_args: dict):

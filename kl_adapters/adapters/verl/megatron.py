@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from .eos import EOS_PROB, IS_EOS, _row_keys, _wants_eos, eos_token_ids
+from .eos import EOS_PROB, IS_EOS, _wants_eos, eos_token_ids, place_eos
 from .state import EOS_PENDING
 
 #: the module defining verl's Megatron engine (imported by verl.workers.engine when megatron-core is installed)
@@ -98,7 +98,7 @@ def _record_eos(processor: Callable) -> Callable:
 def _keep_rows(prepare_model_outputs: Callable) -> Callable:
     """Wrap MegatronEngineWithLMHead.prepare_model_outputs (model output -> model_output for the loss): IS_EOS as
     bool, as the FSDP engine hands it; in an armed compute_log_prob pass (`state.EOS_PENDING`), both entries moved
-    into the pass's rows (keyed as the FSDP engine's, `eos._row_keys`: each row's token ids and multi-modal inputs)
+    into the pass's rows (`eos.place_eos`, as the FSDP engine does: keyed by each row's token ids and multi-modal inputs)
     instead."""
 
     def patched(self, output, data, *args, **kwargs):
@@ -106,12 +106,6 @@ def _keep_rows(prepare_model_outputs: Callable) -> Callable:
         if not isinstance(model_output, dict) or EOS_PROB not in model_output:
             return model_output
         prob, is_eos = model_output.pop(EOS_PROB), model_output.pop(IS_EOS) > 0.5
-        pending = EOS_PENDING.get()
-        if pending is None:
-            model_output[EOS_PROB], model_output[IS_EOS] = prob, is_eos
-        else:
-            keys = _row_keys(data["input_ids"], data.get("multi_modal_inputs", None))
-            pending.update(zip(keys, zip(prob.unbind(), is_eos.unbind())))
-        return model_output
+        return place_eos(model_output, prob, is_eos, EOS_PENDING.get(), data)
 
     return patched

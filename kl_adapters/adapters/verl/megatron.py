@@ -98,8 +98,8 @@ def _record_eos(processor: Callable) -> Callable:
 def _keep_rows(prepare_model_outputs: Callable) -> Callable:
     """Wrap MegatronEngineWithLMHead.prepare_model_outputs (model output -> model_output for the loss): IS_EOS as
     bool, as the FSDP engine hands it; in an armed compute_log_prob pass (`state.EOS_PENDING`), both entries moved
-    into the pass's rows (`eos.place_eos`, as the FSDP engine does: keyed by each row's token ids and multi-modal inputs)
-    instead."""
+    into the pass's rows instead (`eos.place_eos`, as the FSDP engine does: keyed by each row's token ids and
+    multi-modal inputs)."""
 
     def patched(self, output, data, *args, **kwargs):
         model_output = prepare_model_outputs(self, output, data, *args, **kwargs)

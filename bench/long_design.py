@@ -9,6 +9,8 @@ benchmark evaluates); the reference: a Llama of hidden 96, 4 layers, 4 heads, 51
 benchmark's (AdamW, one-cycle, batch 32, 4,000 steps) on the long setting's splits only (in / out of domain 0.7 /
 0.3, the benchmark's scratchpad proportions); `--size large`: hidden 128 and 6,000 steps, the protocol's fallback.
 Step 2: the mean length of its in-domain completions (tokens, EOS included) must be >= 256.
+Each line also says where the scratchpads go wrong (`arithmetic.scratch_steps`): the share of written steps whose
+operand digits are the prompt's for that column, and whose column sum is right; design information, no verdict.
 Each call judges one noise level (default: the first not yet in the design file) and appends one line; the design
 seeds are 300-301 (300: the held-out prompts' draw and the sampling seed). Step 3 (the betas, by `kl-adapters
 measure` on the reference and two design policies) needs RL runs of the setting and is not done here.
@@ -49,7 +51,7 @@ def judge(noise: float, size: str, cache: Path | None, say) -> str:
     model = reference_model(folder)
     examples = arithmetic.draw(arithmetic.SPLITS["long"]["id"], PROMPTS, seed=SEED, test=True)
     start = time.perf_counter()
-    rewards, lengths = [], []
+    rewards, lengths, steps = [], [], []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         for i in range(0, PROMPTS, 256):
@@ -57,17 +59,21 @@ def judge(noise: float, size: str, cache: Path | None, say) -> str:
             samples = sample(model, *encode_prompts(reference.tokenizer(), [e.prompt for e in chunk]), MAX_NEW)
             texts = decode(reference.tokenizer(), samples)
             rewards += [arithmetic.reward(t, e.answer) for t, e in zip(texts, chunk)]
+            steps += [arithmetic.scratch_steps(e.prompt, t) for t, e in zip(texts, chunk)]
             lengths += samples.mask.sum(1).tolist()
             say(f"  evaluated {len(rewards)}/{PROMPTS} ({time.perf_counter() - start:.0f} s)")
     accuracy, se = mean_se(rewards)
     length, length_se = mean_se(lengths)
     in_band = BAND[0] <= accuracy <= BAND[1]
     trained = json.loads((folder / "reference.json").read_text())
+    written, copied, summed = (sum(column) for column in zip(*steps))
+    share = lambda count: 100 * count / max(written, 1)  # noqa: E731
     return (f"noise {noise} size {size} (hidden {spec(noise, size).hidden}, {spec(noise, size).steps} steps, key "
             f"{folder.name}, trained in {trained['train_seconds']:.0f} s): in-domain accuracy {100 * accuracy:.1f} "
             f"+- {100 * se:.1f}% ({'in' if in_band else 'outside'} the 20-60% band), mean in-domain completion "
             f"{length:.1f} +- {length_se:.1f} tokens ({'>=' if length >= MIN_LENGTH else '<'} {MIN_LENGTH}), "
-            f"truncated at {MAX_NEW}: {sum(x >= MAX_NEW for x in lengths)}")
+            f"truncated at {MAX_NEW}: {sum(x >= MAX_NEW for x in lengths)}; of its {written} scratchpad steps, "
+            f"{share(copied):.1f}% copy the column's operand digits and {share(summed):.1f}% sum them right")
 
 
 def reference_model(folder: Path):

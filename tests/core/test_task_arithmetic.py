@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kl_adapters.demo.task import arithmetic
-from kl_adapters.demo.task.arithmetic import SPLITS, Split, answer_of, draw, reward, solution
+from kl_adapters.demo.task.arithmetic import SPLITS, Split, answer_of, draw, reward, scratch_steps, solution
 
 
 @pytest.mark.parametrize("fmt", arithmetic.FORMATS)
@@ -59,3 +59,13 @@ def test_the_long_setting_is_a_scratchpad_of_the_registered_digits():
     examples = draw(long["id"], 300, 0, test=True)
     mean = sum(len(solution(e.prompt)) for e in examples) / len(examples)
     assert 9.5 * 28 + 2 - 5 < mean < 9.5 * 28 + 2 + 5
+
+
+def test_scratch_steps_locate_the_first_kind_of_error():
+    """A step with a wrong operand digit counts against copying, one with a wrong sum against summing; parsing stops
+    at the first malformed step."""
+    assert scratch_steps("47+85:", "7+5+0=12;4+8+1=13|132") == (2, 2, 2)
+    assert scratch_steps("47+85:", "7+5+0=12;3+8+1=12|122") == (2, 1, 2)
+    assert scratch_steps("47+85:", "7+5+0=11;4+8+1=13|131") == (2, 2, 1)
+    assert scratch_steps("47+85:", "7+5+0=12;4+8|") == (1, 1, 1)
+    assert scratch_steps("47+85:", "7+5+0=12;4+8+1=13;1+1+0=2|") == (3, 2, 3)

@@ -110,4 +110,4 @@ def test_long_design_judges_one_noise_level(tmp_path, monkeypatch):
     assert len(keys) == len(arithmetic.LONG_NOISES)
     line = long_design.judge(0.02, "small", tmp_path, say=lambda *_: None)
     assert line.startswith("noise 0.02 size small (hidden 16, 2 steps") and "outside the 20-60% band" in line
-    assert "(< 256)" in line and "truncated at 12: " in line
+    assert "(< 256)" in line and "truncated at 12: " in line and "copy the column's operand digits" in line

@@ -116,6 +116,25 @@ def solution(prompt: str, noise: float = 0.0, rng: random.Random | None = None) 
     return ";".join(steps) + "|" + (str(carry) if carry else "") + "".join(map(str, reversed(written)))
 
 
+def scratch_steps(prompt: str, completion: str) -> tuple[int, int, int]:
+    """Where a scratchpad goes wrong: (steps written, steps whose x and y are the prompt's digits of that column,
+    steps whose s is x + y + c as written). Parsing stops at the first step that is not ``x+y+c=s``; a step past the
+    operands' length has no right digits. Design diagnostics only (bench/long_design.py); the reward is `reward`."""
+    a, b = operands(prompt)
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    written = copied = summed = 0
+    for i, step in enumerate(completion.split("|", 1)[0].split(";")):
+        lhs, _, rhs = step.partition("=")
+        terms = lhs.split("+")
+        if len(terms) != 3 or not all(t.isdigit() for t in (*terms, rhs)):
+            break
+        x, y, c = map(int, terms)
+        written += 1
+        copied += i < min(len(xs), len(ys)) and (x, y) == (int(xs[i]), int(ys[i]))
+        summed += int(rhs) == x + y + c
+    return written, copied, summed
+
+
 def answer_of(completion: str) -> str:
     """The answer part of a completion: after the last "|" (scratch), or all of it (short)."""
     return completion.rsplit("|", 1)[-1]

@@ -11,6 +11,8 @@ benchmark's (AdamW, one-cycle, batch 32, 4,000 steps) on the long setting's spli
 Step 2: the mean length of its in-domain completions (tokens, EOS included) must be >= 256.
 Each line also says where the scratchpads go wrong (`arithmetic.scratch_steps`): the share of written steps whose
 operand digits are the prompt's for that column, and whose column sum is right; design information, no verdict.
+The training saves its state every 100 steps (`reference.CHECKPOINT_EVERY`): the same command after an interruption
+resumes it, to the weights an uninterrupted run gives, so a level may span sessions.
 Each call judges one noise level (default: the first not yet in the design file) and appends one line; the design
 seeds are 300-301 (300: the held-out prompts' draw and the sampling seed). Step 3 (the betas, by `kl-adapters
 measure` on the reference and two design policies) needs RL runs of the setting and is not done here.

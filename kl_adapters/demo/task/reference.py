@@ -5,7 +5,10 @@ sequence's relative positions) from `tiny_models`, with the character tokenizer 
 mixture of the four splits' teacher completions (loss on the completion and its EOS only), AdamW with a one-cycle
 schedule, gradient clipping 1.0, a fixed seed and a fixed number of torch threads. It saves the model, the tokenizer
 and reference.json (the spec, the loss curve, the wall time) under cache/<spec key>/, where the key is a hash of the
-spec and `DATA_VERSION`; a second call returns the cached folder. The same spec on the same machine gives the same
+spec and `DATA_VERSION`; a second call returns the cached folder. Every `CHECKPOINT_EVERY` steps the training state
+(model, optimizer, schedule, the data and torch generators, the loss so far, the time spent) goes to
+cache/<spec key>.partial.pt, so that an interrupted build resumes where it stopped and ends with the weights an
+uninterrupted one gives (tests/core/test_reference_resume.py); the file is removed once the reference is saved. The same spec on the same machine gives the same
 weights (the determinism of torch's CPU kernels at a fixed thread count); on another machine the weights may differ in
 the last bits, which moves every downstream number within its run-to-run spread, not systematically.
 
@@ -29,6 +32,8 @@ from . import arithmetic
 DATA_VERSION = 1
 #: the tokenizer's special ids (tiny_models.char_tokenizer)
 PAD_ID, EOS_ID = 0, 2
+#: steps between two saves of the training state (a resumed build repeats at most this many)
+CHECKPOINT_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ def build(spec: ReferenceSpec, cache: Path | None = None, say: Callable[[str], N
                            max_positions=spec.max_positions)
         params = sum(p.numel() for p in model.parameters())
         say(f"training the reference ({params:,} parameters, {spec.steps} steps; cached in {folder}) ...")
-        losses, seconds = _train(model, tok, spec, say)
+        partial = folder.with_name(folder.name + ".partial.pt")
+        losses, seconds = _train(model, tok, spec, say, partial)
     finally:
         torch.set_num_threads(threads)
     folder.mkdir(parents=True, exist_ok=True)
@@ -95,10 +101,13 @@ def build(spec: ReferenceSpec, cache: Path | None = None, say: Callable[[str], N
     (folder / "reference.json").write_text(json.dumps(
         {"spec": asdict(spec), "data_version": DATA_VERSION, "parameters": params, "train_seconds": seconds,
          "loss_every_100": losses}, indent=1) + "\n")
+    partial.unlink(missing_ok=True)
     return folder
 
 
-def _train(model, tok, spec: ReferenceSpec, say: Callable[[str], None]) -> tuple[list[float], float]:
+def _train(model, tok, spec: ReferenceSpec, say: Callable[[str], None], partial: Path) -> tuple[list[float], float]:
+    """(the loss every 100 steps, seconds spent): supervised training, resumed from `partial` when it exists and
+    saved there every `CHECKPOINT_EVERY` steps."""
     import torch
 
     rng = random.Random(f"reference/{spec.seed}")
@@ -108,9 +117,18 @@ def _train(model, tok, spec: ReferenceSpec, say: Callable[[str], None]) -> tuple
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.learning_rate, total_steps=spec.steps,
                                                    pct_start=0.05)
-    start, losses, running = time.perf_counter(), [], 0.0
+    start, losses, running, first, spent = time.perf_counter(), [], 0.0, 0, 0.0
+    if partial.exists():
+        state = torch.load(partial, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        first, losses, running, spent = state["step"], state["losses"], state["running"], state["seconds"]
+        say(f"  resumed at step {first}/{spec.steps} from {partial.name} ({spent:.0f} s spent before)")
     model.train()
-    for step in range(spec.steps):
+    for step in range(first, spec.steps):
         rows = []
         for fmt, part in rng.choices(choices, weights, k=spec.batch):
             example = rng.choice(pools[fmt, part])
@@ -129,8 +147,24 @@ def _train(model, tok, spec: ReferenceSpec, say: Callable[[str], None]) -> tuple
             losses.append(running / (step % 100 + 1))
             running = 0.0
             say(f"  reference step {step + 1}/{spec.steps}: loss {losses[-1]:.3f} "
-                f"({time.perf_counter() - start:.0f} s)")
-    return losses, time.perf_counter() - start
+                f"({spent + time.perf_counter() - start:.0f} s)")
+        if (step + 1) % CHECKPOINT_EVERY == 0 and step + 1 < spec.steps:
+            _save_partial(partial, model, optimizer, schedule, rng, step + 1, losses, running,
+                          spent + time.perf_counter() - start)
+    return losses, spent + time.perf_counter() - start
+
+
+def _save_partial(partial: Path, model, optimizer, schedule, rng: random.Random, step: int, losses: list[float],
+                  running: float, seconds: float) -> None:
+    """The training state after `step` steps, written whole (to a temporary name, then renamed)."""
+    import torch
+
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    temporary = partial.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "losses": losses,
+                "running": running, "seconds": seconds}, temporary)
+    temporary.replace(partial)
 
 
 def supervised_batch(tok, rows: list[tuple[str, str]]):

@@ -5,6 +5,7 @@ Usage: .venvs/core/bin/python bench/reduction_components.py tabular    (exact; w
                                                                    termination+james_stein] (a+b: both off at once)
                                                                        (writes reduction_components_bigram.*)
        .venvs/trl/bin/python bench/reduction_components.py gpt2 [--horizon 32] [--step 50 200] [--groups 32]
+                                                                   [--switches ...] (as for bigram)
                                                                        (writes reduction_components_gpt2_T<horizon>.*)
 (bench/results/<name>.{txt,json}; --name overrides the name.)
 
@@ -230,13 +231,13 @@ def main() -> int:
     ap.add_argument("--step", type=int, nargs="+", default=[50, 200], help="gpt2: the policies measured")
     ap.add_argument("--groups", type=int, default=32, help="gpt2: groups of 32 completions per policy")
     ap.add_argument("--seed", type=int, default=0, help="gpt2: the problem's and the run's seed")
-    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram: the switches turned off, one row "
-                    "each; a+b turns a and b off together (default: every switch)")
+    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram, gpt2: the switches turned off, "
+                    "one row each; a+b turns a and b off together (default: every switch)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     unknown = [s for s in args.switches for part in s.split("+") if part not in SWITCHES]
-    if unknown or (args.problem != "bigram" and args.switches != list(SWITCHES)):
-        ap.error(f"--switches: bigram only, each of {', '.join(SWITCHES)} (or a+b); got {' '.join(args.switches)}")
+    if unknown or (args.problem == "tabular" and args.switches != list(SWITCHES)):
+        ap.error(f"--switches: bigram and gpt2 only, each of {', '.join(SWITCHES)} (or a+b); got {' '.join(args.switches)}")
     switches = tuple(args.switches)
     warnings.filterwarnings("ignore")
     note = "variance with the switch off / with every switch on (above 1: the switch lowers the variance)"
@@ -252,11 +253,11 @@ def main() -> int:
         lines = _header(f"bigram, task + KL, G = 8, {note} (+- paired se)", switches)
         lines += [_cells(_bigram_label(BigramCell(**r["cell"])), r["ratios"], switches) for r in rows]
     else:
-        by_step = gpt2_ratios(args.horizon, args.step, args.groups, args.seed)
+        by_step = gpt2_ratios(args.horizon, args.step, args.groups, args.seed, switches)
         rows = [{"step": step, "ratios": ratios} for step, ratios in by_step.items()]
         lines = _header(f"GPT-2 through TRL compute_loss, task + KL, G = 32, T = {args.horizon}, {args.groups} groups "
-                        f"(seed {args.seed}): {note} (+- paired jackknife se)")
-        lines += [_cells(f"policy after {r['step']} sequence-plain steps", r["ratios"]) for r in rows]
+                        f"(seed {args.seed}): {note} (+- paired jackknife se)", switches)
+        lines += [_cells(f"policy after {r['step']} sequence-plain steps", r["ratios"], switches) for r in rows]
     text = "\n".join(lines)
     print(text)
     name = args.name or "reduction_components_" + (f"gpt2_T{args.horizon}" if args.problem == "gpt2" else args.problem)

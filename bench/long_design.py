@@ -31,16 +31,11 @@ import torch
 
 from kl_adapters.demo.task import arithmetic, reference
 from kl_adapters.demo.task.evaluate import decode, encode_prompts, mean_se, sample
+from kl_adapters.demo.task.settings import LONG_SIZES as SIZES
+from kl_adapters.demo.task.settings import long_reference as spec
 
 OUT = Path(__file__).resolve().parent / "results/task/confirmatory/design_long.txt"
-SIZES = {"small": {"hidden": 96, "steps": 4000}, "large": {"hidden": 128, "steps": 6000}}
-MIXTURE = (("long", "id", 0.7), ("long", "ood", 0.3))
 BAND, MIN_LENGTH, PROMPTS, MAX_NEW, SEED = (0.20, 0.60), 256, 1024, 360, 300
-
-
-def spec(noise: float, size: str) -> reference.ReferenceSpec:
-    return reference.ReferenceSpec(layers=4, heads=4, max_positions=512, batch=32, seed=SEED, mixture=MIXTURE,
-                                   noise=noise, **SIZES[size])
 
 
 def judged() -> list[str]:

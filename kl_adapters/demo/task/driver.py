@@ -60,7 +60,11 @@ def prepare(setting: str, scale: str, eval_prompts: int, cache: Path | None, say
     if setting not in SETTINGS:
         raise SystemExit(f"unknown setting {setting!r}; valid: {', '.join(SETTINGS)}")
     spec = SCALES[scale]
-    folder = reference.build(spec.reference, cache, say)
+    if setting == "long" and spec.long_reference is None:
+        raise SystemExit(f"setting 'long' has no reference at scale {scale!r}: its design (protocol step 1, "
+                         "bench/long_design.py) has not chosen one yet" if scale == "cpu" else
+                         f"setting 'long' runs at scale 'cpu' (the protocol's reference), not {scale!r}")
+    folder = reference.build(spec.long_reference if setting == "long" else spec.reference, cache, say)
     fmt = "short" if setting == "proxy" else setting
     proxy_folder = proxy.build(folder, spec.proxy, say) if setting == "proxy" else None
     splits = arithmetic.SPLITS[fmt]

@@ -1,6 +1,7 @@
 """The long-completion setting's reference design: steps 1 and 2 of bench/results/task/confirmatory/protocol.md.
 
 Usage: .venvs/trl/bin/python bench/long_design.py [--noise 0.03] [--size small|large] [--cache DIR]
+       .venvs/trl/bin/python bench/long_design.py --betas [--work DIR]
        (appends to bench/results/task/confirmatory/design_long.txt; the log of the training beside it, git-ignored)
 
 Step 1: the teacher's per-step slip probability is the first of `arithmetic.LONG_NOISES` (0.03, 0.02, 0.015, 0.01)
@@ -14,8 +15,14 @@ operand digits are the prompt's for that column, and whose column sum is right; 
 The training saves its state every 100 steps (`reference.CHECKPOINT_EVERY`): the same command after an interruption
 resumes it, to the weights an uninterrupted run gives, so a level may span sessions.
 Each call judges one noise level (default: the first not yet in the design file) and appends one line; the design
-seeds are 300-301 (300: the held-out prompts' draw and the sampling seed). Step 3 (the betas, by `kl-adapters
-measure` on the reference and two design policies) needs RL runs of the setting and is not done here.
+seeds are 300-301 (300: the held-out prompts' draw and the sampling seed).
+
+Step 3, `--betas` (once `settings.LONG_DESIGN` names the chosen reference): the two design policies, `trl-default`
+after 50 and after 150 GRPO steps at beta 0.05 with design seed 300 (bench/measure_task.py's `train`: runs of 50 and
+150 steps of the benchmark's protocol through TRL), and `kl-adapters measure --config trl-default --reward verifier
+--beta 0.05,0.01,0.02,0.1,0.2,0.5,1` on each (256 in-domain test prompts x G = 8, measure_task's `measure`); per beta
+trl-default's bias relative to the expected trained gradient; the three betas with the largest point estimate on the
+150-step policy (ties to the smaller beta), in increasing order, end the design file.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from kl_adapters.demo.task.settings import long_reference as spec
 
 OUT = Path(__file__).resolve().parent / "results/task/confirmatory/design_long.txt"
 BAND, MIN_LENGTH, PROMPTS, MAX_NEW, SEED = (0.20, 0.60), 256, 1024, 360, 300
+#: step 3's design policies: trl-default after this many GRPO steps; the last decides
+BETA_STEPS = (50, 150)
 
 
 def judged() -> list[str]:
@@ -73,6 +82,51 @@ def judge(noise: float, size: str, cache: Path | None, say) -> str:
             f"{share(copied):.1f}% copy the column's operand digits and {share(summed):.1f}% sum them right")
 
 
+def choose_betas(work: Path, say, prompts: int = 256, group: int = 8) -> list[str]:
+    """Protocol step 3: the design file's lines of the two design policies' measurements and the chosen betas."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from measure_task import REWARD_MODULE, measure, train
+
+    from kl_adapters.demo.task.driver import prepare
+
+    prepared = prepare("long", "cpu", prompts, None, say)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "task_reward.py").write_text(REWARD_MODULE % None)
+    prompt_file = work / "long_id.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n"
+                                   for e in prepared.tests["id"][:prompts]))
+    lines, ratios = [], {}
+    for steps in BETA_STEPS:
+        policy = train(prepared, "trl-default", steps, SEED, work / f"long_trl-default_s{SEED}_{steps}", say)
+        doc, seconds, command = measure(policy, prepared, prompt_file, "verifier", work, group)
+        ratios[steps] = {m["beta"]: next((r["trained"] or {}).get("estimate") for r in m["rows"]
+                                         if r["name"] == "trl-default")
+                         for m in (doc["measurement"], *doc["other_betas"])}
+        lines.append(f"betas: trl-default after {steps} steps (beta 0.05, seed {SEED}; mean completion "
+                     f"{doc['context']['mean_length']:.1f} tokens; measured in {seconds:.0f} s: {command}): bias / "
+                     "expected trained gradient " + ", ".join(f"beta {b:g} {_share(r)}"
+                                                               for b, r in sorted(ratios[steps].items())))
+    try:
+        chosen = pick_betas(ratios[BETA_STEPS[-1]])
+    except ValueError as e:
+        return lines + [f"no betas chosen: on the {BETA_STEPS[-1]}-step policy {e}"]
+    lines.append(f"chosen betas (largest on the {BETA_STEPS[-1]}-step policy): " + ", ".join(f"{b:g}" for b in chosen))
+    return lines
+
+
+def pick_betas(shares: dict[float, float | None]) -> list[float]:
+    """The three betas with the largest bias share (ties to the smaller beta), in increasing order; a beta without an
+    estimate makes the choice undefined (ValueError), never a silent fallback."""
+    missing = [b for b, share in shares.items() if share is None]
+    if missing:
+        raise ValueError("the measurement has no estimate at beta " + ", ".join(f"{b:g}" for b in sorted(missing)))
+    return sorted(sorted(shares, key=lambda b: (-shares[b], b))[:3])
+
+
+def _share(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.2f}%"
+
+
 def reference_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +138,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", type=float, help="one of arithmetic.LONG_NOISES (default: the next not judged)")
     p.add_argument("--size", choices=SIZES, default="small")
     p.add_argument("--cache", type=Path, help="where references are cached (reference.default_cache())")
+    p.add_argument("--betas", action="store_true",
+                   help="protocol step 3 on the chosen reference (settings.LONG_DESIGN)")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "kl-adapters" / "long-design",
+                   help="--betas: where the design policies are kept")
     args = p.parse_args(argv)
+    if args.betas:
+        with OUT.with_suffix(".log").open("a") as log:
+            lines = choose_betas(args.work, lambda text: print(text, file=log, flush=True))
+        with OUT.open("a") as out:
+            out.write("".join(line + "\n" for line in lines))
+        print("\n".join(lines))
+        if lines[-1].startswith("no betas chosen"):
+            raise SystemExit(1)
+        return
     done = judged()
     noise = args.noise if args.noise is not None else next(
         (n for n in arithmetic.LONG_NOISES if not any(line.startswith(f"noise {n} size {args.size} ") for line in done)),

@@ -33,10 +33,12 @@ from kl_adapters.demo.output import environment, output_to  # noqa: E402
 from kl_adapters.demo.task.driver import prepare  # noqa: E402
 from kl_adapters.demo.task.settings import SCALES  # noqa: E402
 
-#: each setting's beta in the task protocol (docs/task.md), first in the --beta list
-BETA = {"short": 0.05, "scratch": 0.05, "proxy": 0.5}
-#: the further betas measured from the same samples (the frontier's)
-MORE_BETAS = {"short": (0.2, 0.5), "scratch": (0.2, 0.5), "proxy": (0.2, 1.0)}
+#: each setting's beta in the task protocol (docs/task.md), first in the --beta list (long: the beta of the
+#: confirmatory protocol's design policies, step 3)
+BETA = {"short": 0.05, "scratch": 0.05, "proxy": 0.5, "long": 0.05}
+#: the further betas measured from the same samples (the frontier's; long: the rest of step 3's list)
+MORE_BETAS = {"short": (0.2, 0.5), "scratch": (0.2, 0.5), "proxy": (0.2, 1.0),
+              "long": (0.01, 0.02, 0.1, 0.2, 0.5, 1.0)}
 REWARD_MODULE = '''"""Reward functions of TRL's signature for kl-adapters measure on the task (written by bench/measure_task.py)."""
 from kl_adapters.demo.task import arithmetic
 

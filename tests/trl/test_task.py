@@ -111,3 +111,28 @@ def test_long_design_judges_one_noise_level(tmp_path, monkeypatch):
     line = long_design.judge(0.02, "small", tmp_path, say=lambda *_: None)
     assert line.startswith("noise 0.02 size small (hidden 16, 2 steps") and "outside the 20-60% band" in line
     assert "(< 256)" in line and "truncated at 12: " in line and "copy the column's operand digits" in line
+
+
+def test_long_design_chooses_three_betas_from_the_design_policies(tmp_path, monkeypatch):
+    """bench/long_design.py --betas at toy size (protocol step 3): trl-default trained through TRL for each design
+    length, `kl-adapters measure` on each at the protocol's seven betas, then the three largest bias shares of the
+    last policy, in increasing order."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import long_design
+
+    from kl_adapters.demo.task import settings
+
+    smoke = settings.SCALES["smoke"]
+    monkeypatch.setitem(settings.SCALES, "cpu", settings.Scale(smoke.reference, smoke.rl, smoke.proxy,
+                                                               long_reference=smoke.long_reference))
+    monkeypatch.setattr(long_design, "BETA_STEPS", (1, 2))
+    monkeypatch.setenv("KL_ADAPTERS_CACHE", str(tmp_path / "cache"))
+    lines = long_design.choose_betas(tmp_path / "work", say=lambda *_: None, prompts=3, group=2)
+    assert [line.split(" (")[0] for line in lines[:2]] == ["betas: trl-default after 1 steps",
+                                                          "betas: trl-default after 2 steps"]
+    assert all(f"beta {b} " in lines[1] for b in ("0.01", "0.02", "0.05", "0.1", "0.2", "0.5", "1"))
+    # a toy policy's measurement has no estimates (zero reward): the choice is refused, not made up
+    assert lines[2].startswith("no betas chosen: on the 2-step policy the measurement has no estimate at beta 0.01")
+    assert long_design.pick_betas({0.01: 0.1, 0.02: 0.3, 0.05: 0.3, 0.1: 0.2, 1.0: 0.05}) == [0.02, 0.05, 0.1]
+    with pytest.raises(ValueError, match="no estimate at beta 0.5"):
+        long_design.pick_betas({0.05: 0.1, 0.5: None})

@@ -85,16 +85,13 @@ def judge(noise: float, size: str, cache: Path | None, say) -> str:
 def choose_betas(work: Path, say, prompts: int = 256, group: int = 8) -> list[str]:
     """Protocol step 3: the design file's lines of the two design policies' measurements and the chosen betas."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from measure_task import REWARD_MODULE, measure, train
+    from measure_task import measure, measure_inputs, train
 
     from kl_adapters.demo.task.driver import prepare
 
     prepared = prepare("long", "cpu", prompts, None, say)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "task_reward.py").write_text(REWARD_MODULE % None)
-    prompt_file = work / "long_id.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n"
-                                   for e in prepared.tests["id"][:prompts]))
+    prompt_file = measure_inputs(prepared, work, prompts)
     lines, ratios = [], {}
     for steps in BETA_STEPS:
         policy = train(prepared, "trl-default", steps, SEED, work / f"long_trl-default_s{SEED}_{steps}", say)

@@ -79,6 +79,16 @@ def train(prepared, config: str, steps: int, seed: int, folder: Path, say) -> Pa
     return folder
 
 
+def measure_inputs(prepared, work: Path, prompts: int) -> Path:
+    """Write the reward module and the setting's first `prompts` in-domain test prompts into `work`; the prompts'
+    file (the command's --prompts)."""
+    (work / "task_reward.py").write_text(REWARD_MODULE % str(prepared.proxy))
+    path = work / f"{prepared.setting}_id.jsonl"
+    path.write_text("".join(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n"
+                            for e in prepared.tests["id"][:prompts]))
+    return path
+
+
 def measure(policy: Path, prepared, prompts: Path, reward: str, work: Path, group: int) -> tuple[dict, float, str]:
     """The measure command's JSON document, its wall time and the command."""
     betas = ",".join(f"{b:g}" for b in (BETA[prepared.setting], *MORE_BETAS[prepared.setting]))
@@ -131,10 +141,7 @@ def run_all(args: argparse.Namespace, say) -> tuple[list[dict], list[str]]:
     results, cost = [], []
     for setting in args.settings.split(","):
         prepared = prepare(setting, "cpu", args.prompts, None, say)
-        (args.work / "task_reward.py").write_text(REWARD_MODULE % str(prepared.proxy))
-        prompts = args.work / f"{setting}_id.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n"
-                                   for e in prepared.tests["id"][:args.prompts]))
+        prompts = measure_inputs(prepared, args.work, args.prompts)
         reward = "proxy" if setting == "proxy" else "verifier"
         if not cost:  # the cost target: the reference policy itself
             doc, seconds, cmd = measure(prepared.reference, prepared, prompts, reward, args.work, args.group)

@@ -56,12 +56,14 @@ FAMILY = (
 
 
 def long_betas(folder: Path) -> dict[str, float]:
+    """beta_1 < beta_2 < beta_3 of protocol step 3: the design file's `chosen betas (...): b1, b2, b3` line
+    (bench/long_design.py writes it; {} before it exists)."""
     design = folder / "design_long.txt"
     if not design.exists():
         return {}
     for line in design.read_text().splitlines():
-        if line.startswith("betas:"):
-            values = [float(x) for x in line.split(":", 1)[1].split(",")]
+        if line.startswith("chosen betas"):
+            values = [float(x) for x in line.rsplit(":", 1)[1].split(",")]
             return {f"beta_{i + 1}": v for i, v in enumerate(values)}
     return {}
 

@@ -4,6 +4,8 @@ Usage: .venvs/core/bin/python bench/reduction_components.py tabular    (exact; w
        .venvs/core/bin/python bench/reduction_components.py bigram [--switches termination james_stein
                                                                    termination+james_stein] (a+b: both off at once)
                                                                        (writes reduction_components_bigram.*)
+       .venvs/core/bin/python bench/reduction_components.py tied [--switches ...]
+                                                                       (writes reduction_components_tied.*)
        .venvs/trl/bin/python bench/reduction_components.py gpt2 [--horizon 32] [--step 50 200] [--groups 32]
                                                                    [--switches ...] (as for bigram)
                                                                        (writes reduction_components_gpt2_T<horizon>.*)
@@ -26,6 +28,9 @@ estimates the same gradient. Three problems:
   configuration on the same batches: the ratio of mean squared distances to the exact expected gradient with a
   paired delta-method standard error. A negative task penalizes token 0, so that the trained policy suppresses a
   token the reference allows (the unseen tail of xi);
+* tied: the bigram with task 0 at the drifted policy, the gradient a GRPO trainer takes from a group whose rewards
+  tie (its advantages are all zero, so the group's gradient is the KL term alone; `frac_reward_zero_std` in TRL's
+  logs is the share of such groups), at T = 256 and 1024, drift 0.05 and 0.2, G = 8;
 * gpt2: the long-horizon GPT-2 through TRL's compute_loss (`long_horizon_trl.training_gradients`: groups of G = 32
   completions, the policy after `step` steps of a `sequence-plain` GRPOTrainer.train() run, bench/long_horizon.py's
   settings), the ratio of covariance traces on the same groups with a paired jackknife standard error.
@@ -214,6 +219,10 @@ BIGRAM = ([BigramCell(h, 0.2, "on", st, 0.05, batches=512 if h == 256 else 256) 
              for st in (80, 300)])
 
 
+#: the tied-reward grid: the KL term alone, on-policy, at the drifted policy
+TIED = [BigramCell(h, drift, "on", 0, 0.0, batches=256 if h == 256 else 128) for h in (256, 1024) for drift in (0.05, 0.2)]
+
+
 def _cells(label: str, ratios: dict[str, tuple[float, float] | float], switches: tuple[str, ...] = SWITCHES) -> str:
     def cell(x):
         return f"{x:>9.4f}" if isinstance(x, float) else f"{x[0]:>6.3f}±{x[1]:<6.3f}"
@@ -226,18 +235,18 @@ def _header(title: str, switches: tuple[str, ...] = SWITCHES) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("problem", choices=("tabular", "bigram", "gpt2"))
+    ap.add_argument("problem", choices=("tabular", "bigram", "tied", "gpt2"))
     ap.add_argument("--horizon", type=int, default=32, help="gpt2: T")
     ap.add_argument("--step", type=int, nargs="+", default=[50, 200], help="gpt2: the policies measured")
     ap.add_argument("--groups", type=int, default=32, help="gpt2: groups of 32 completions per policy")
     ap.add_argument("--seed", type=int, default=0, help="gpt2: the problem's and the run's seed")
-    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram, gpt2: the switches turned off, "
+    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram, tied, gpt2: the switches turned off, "
                     "one row each; a+b turns a and b off together (default: every switch)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     unknown = [s for s in args.switches for part in s.split("+") if part not in SWITCHES]
     if unknown or (args.problem == "tabular" and args.switches != list(SWITCHES)):
-        ap.error(f"--switches: bigram and gpt2 only, each of {', '.join(SWITCHES)} (or a+b); got {' '.join(args.switches)}")
+        ap.error(f"--switches: bigram, tied and gpt2 only, each of {', '.join(SWITCHES)} (or a+b); got {' '.join(args.switches)}")
     switches = tuple(args.switches)
     warnings.filterwarnings("ignore")
     note = "variance with the switch off / with every switch on (above 1: the switch lowers the variance)"
@@ -245,12 +254,13 @@ def main() -> int:
         rows = [{"problem": p.label, "ratios": tabular_ratios(p)} for p in tabular_grid()]
         lines = _header(f"tabular, exact, task + KL, G = 4, V = 3, T = 3: {note}")
         lines += [_cells(r["problem"], r["ratios"]) for r in rows]
-    elif args.problem == "bigram":
+    elif args.problem in ("bigram", "tied"):
         rows = []
-        for cell in BIGRAM:
+        for cell in BIGRAM if args.problem == "bigram" else TIED:
             rows.append({"cell": asdict(cell), "ratios": bigram_ratios(cell, switches)})
             print(_cells(_bigram_label(cell), rows[-1]["ratios"], switches), flush=True)
-        lines = _header(f"bigram, task + KL, G = 8, {note} (+- paired se)", switches)
+        what = "task + KL" if args.problem == "bigram" else "tied rewards (the KL term alone)"
+        lines = _header(f"{args.problem}, {what}, G = 8, {note} (+- paired se)", switches)
         lines += [_cells(_bigram_label(BigramCell(**r["cell"])), r["ratios"], switches) for r in rows]
     else:
         by_step = gpt2_ratios(args.horizon, args.step, args.groups, args.seed, switches)

@@ -51,3 +51,17 @@ def test_the_long_setting_loads_the_design_s_choice(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(reference, "_train", _never)
     ref = reference.build(SCALES["cpu"].long_reference, cache=CACHE, say=_never)
     assert hashlib.sha256((ref / "model.safetensors").read_bytes()).hexdigest() == LONG_WEIGHTS[ref.name]
+
+
+def test_the_analysis_reads_the_betas_step_3_chose() -> None:
+    """Protocol step 3: bench/confirmatory.py tests H1-H7 at the betas of the design file's `chosen betas` line, the
+    line bench/long_design.py writes from the 150-step policy's bias shares (its `pick_betas`)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import confirmatory
+
+    chosen = next(line for line in DESIGN.read_text().splitlines() if line.startswith("chosen betas"))
+    betas = confirmatory.long_betas(DESIGN.parent)
+    assert list(betas) == ["beta_1", "beta_2", "beta_3"] and betas["beta_1"] < betas["beta_2"] < betas["beta_3"]
+    assert chosen.endswith(": " + ", ".join(f"{b:g}" for b in betas.values()))

@@ -10,8 +10,9 @@ test_reduction_benefit_bigram.py and tests/trl/test_reduction_benefit_long_horiz
   per logit: prefix weights past e^(+-4)).
 * Monte Carlo (its bigram problems: G = 8, T = 64 and 256, every configuration on the same fixed-seed batches, a
   paired ratio with its standard error): `past_kl` and `james_stein` at a trained policy with the rewarded token;
-  `termination` and `unseen_tail` at trained policies whose task penalizes a token the reference allows. Each ratio
-  must exceed its threshold and 1 + 5 standard errors.
+  `unseen_tail` at a trained policy whose task penalizes a token the reference allows; `termination` on the KL term
+  alone at T = 256, drift 0.2 (`rc.TIED`: the gradient of a group whose rewards tie, GRPO's advantages all zero).
+  Each ratio must exceed its threshold and 1 + 5 standard errors.
 
 Each threshold sits between 1 and the measured ratio (the comment beside it). Where each switch costs variance
 instead, and every switch on every problem: docs/variance.md (the ablation, `bench/reduction_components.py`).
@@ -43,7 +44,7 @@ EXACT = {
 MONTE_CARLO = {
     "past_kl": (rc.BigramCell(256, 0.2, "on", 80, 0.05, batches=256), 3.0),  # measured 5.5 +- 0.2 (512 batches)
     "james_stein": (rc.BigramCell(256, 0.2, "on", 80, 0.05, batches=256), 1.05),  # 1.108 +- 0.007
-    "termination": (rc.BigramCell(256, 0.2, "on", 80, -0.2, batches=256), 1.1),  # 1.159 +- 0.005
+    "termination": (rc.TIED[1], 1.5),  # 2.389 +- 0.098 (KL term alone: a group whose rewards tie)
     "unseen_tail": (rc.BigramCell(64, 0.2, "on", 300, -0.5), 1.5),  # 2.39 +- 0.15
 }
 

@@ -6,7 +6,7 @@ points) on the seeds where both finished (L4 and H7: the mean of the verl and th
 mean with a 95% t-interval, the two-sided paired t-test's p, Holm's step-down adjusted p over the whole family (a
 hypothesis not run yet counts with p = 1, which only makes the others' adjustment conservative), the decision
 (confirmed: adjusted p < 0.05 and the mean in the registered direction), and the exact sign-flip permutation p.
-The long setting's betas are read from design_long.txt (its line "betas: b1,b2,b3").
+The long setting's betas are read from design_long.txt (its line "chosen betas (...): b1, b2, b3").
 
 Usage: python bench/confirmatory.py [--folder bench/results/task/confirmatory]   (writes confirmatory.{txt,json})
 """

@@ -6,7 +6,9 @@ points) on the seeds where both finished (L4 and H7: the mean of the verl and th
 mean with a 95% t-interval, the two-sided paired t-test's p, Holm's step-down adjusted p over the whole family (a
 hypothesis not run yet counts with p = 1, which only makes the others' adjustment conservative), the decision
 (confirmed: adjusted p < 0.05 and the mean in the registered direction), and the exact sign-flip permutation p.
-The long setting's betas are read from design_long.txt (its line "chosen betas (...): b1, b2, b3").
+A hypothesis whose seeds have not all run yet (for every configuration, finished or failed) is reported as running,
+with its interim figures, and counts in Holm's correction as not run: decisions are taken on the full ten seeds.
+The run time: every run's wall time summed, per store and in all. The long setting's betas are read from design_long.txt (its line "chosen betas (...): b1, b2, b3").
 
 Usage: python bench/confirmatory.py [--folder bench/results/task/confirmatory]   (writes confirmatory.{txt,json})
 """
@@ -68,16 +70,27 @@ def long_betas(folder: Path) -> dict[str, float]:
     return {}
 
 
-def scores(folder: Path, h: Hypothesis, framework: str, beta: float) -> dict[str, dict[int, float]]:
-    """{configuration: {seed: final score}} of the runs of this setting, framework and beta (lag 1)."""
+def scores(folder: Path, h: Hypothesis, framework: str, beta: float
+           ) -> tuple[dict[str, dict[int, float]], dict[str, set[int]]]:
+    """({configuration: {seed: final score}}, {configuration: seeds run, failed ones included}) of the runs of this
+    setting, framework and beta (lag 1)."""
     store = folder / f"confirm_{h.setting}_{framework}.jsonl.gz"
     out: dict[str, dict[int, float]] = {}
+    ran: dict[str, set[int]] = {}
     for run in read_runs(store) if store.exists() else []:
         key = run["key"]
-        if key["rl"]["beta"] != beta or key["rl"]["lag"] != 1 or not run.get("history"):
+        if key["rl"]["beta"] != beta or key["rl"]["lag"] != 1:
             continue
-        out.setdefault(run["config"], {})[run["seed"]] = 100 * final(run, h.split, score_name(run))
-    return out
+        ran.setdefault(run["config"], set()).add(run["seed"])
+        if run.get("history"):
+            out.setdefault(run["config"], {})[run["seed"]] = 100 * final(run, h.split, score_name(run))
+    return out, ran
+
+
+def run_time(folder: Path) -> dict[str, tuple[int, float]]:
+    """{store name: (runs, wall seconds summed)} over the folder's confirm_*.jsonl.gz."""
+    return {store.name.removesuffix(".jsonl.gz"): (len(runs), sum(r.get("wall_seconds") or 0.0 for r in runs))
+            for store in sorted(folder.glob("confirm_*.jsonl.gz")) for runs in [read_runs(store)]}
 
 
 def sign_flip_p(diffs: list[float]) -> float:
@@ -93,28 +106,31 @@ def analyse(folder: Path) -> list[dict]:
     rows = []
     for h in FAMILY:
         beta = betas.get(h.beta) if isinstance(h.beta, str) else h.beta
-        per_framework = []
+        per_framework, complete = [], beta is not None
         for fw in h.frameworks:
             if beta is None:
                 break
-            data = scores(folder, h, fw, beta)
+            data, ran = scores(folder, h, fw, beta)
             b = DEFAULT_K3[fw] if h.b == "default-k3" else h.b
             both = sorted(set(data.get(h.a, {})) & set(data.get(b, {})) & set(SEEDS))
             per_framework.append({s: data[h.a][s] - data[b][s] for s in both})
+            complete &= set(SEEDS) <= ran.get(h.a, set()) & ran.get(b, set())
         seeds = sorted(set.intersection(*(set(d) for d in per_framework))) if per_framework else []
         diffs = [statistics.fmean(d[s] for d in per_framework) for s in seeds]
         row = {"id": h.id, "setting": h.setting, "frameworks": list(h.frameworks), "beta": beta, "split": h.split,
-               "a": h.a, "b": h.b, "seeds": seeds, "n": len(diffs)}
+               "a": h.a, "b": h.b, "seeds": seeds, "n": len(diffs), "complete": complete}
         if len(diffs) >= 2:
             mean, p = paired_test(diffs, [0.0] * len(diffs))
             se = statistics.stdev(diffs) / math.sqrt(len(diffs))
             half = quantile(0.975, len(diffs) - 1) * se
             row.update(difference=mean, low=mean - half, high=mean + half, p=p, permutation_p=sign_flip_p(diffs))
         rows.append(row)
-    adjusted = holm([r.get("p", 1.0) if not math.isnan(r.get("p", 1.0)) else 1.0 for r in rows])
+    adjusted = holm([r["p"] if r["complete"] and "p" in r and not math.isnan(r["p"]) else 1.0 for r in rows])
     for r, a in zip(rows, adjusted):
         r["holm"] = a
-        r["decision"] = ("not run yet" if "p" not in r else
+        r["decision"] = ("not run yet" if not r["n"] else
+                         f"running: {r['n']} of {len(SEEDS)} seeds (interim, no decision)" if not r["complete"] else
+                         "no test (fewer than two seeds finished)" if "p" not in r else
                          "confirmed" if a < 0.05 and r["difference"] > 0 else
                          "significant, opposite direction" if a < 0.05 else "not confirmed")
     return rows
@@ -136,8 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         beta = "-" if r["beta"] is None else f"{r['beta']:g}"
         lines.append(f"{r['id']:<4}{r['setting']:<8}{'+'.join(r['frameworks']):<15}{beta:>6} {r['split']:<5}"
                      f"{r['a'] + ' - ' + r['b']:<46}{r['n']:>3}{ci:>24}{nums}  {r['decision']}")
+    times = run_time(args.folder)
+    lines += ["", "run time (every run's wall time, one torch thread each, on the 2-core development machine):"]
+    lines += [f"  {name:<28}{runs:>4} runs {seconds / 3600:>7.2f} h" for name, (runs, seconds) in times.items()]
+    lines.append(f"  {'all':<28}{sum(n for n, _ in times.values()):>4} runs "
+                 f"{sum(t for _, t in times.values()) / 3600:>7.2f} h")
     (args.folder / "confirmatory.txt").write_text("\n".join(lines) + "\n")
-    (args.folder / "confirmatory.json").write_text(json.dumps({"hypotheses": rows}, indent=1) + "\n")
+    (args.folder / "confirmatory.json").write_text(json.dumps(
+        {"hypotheses": rows, "run_time": {k: {"runs": n, "wall_seconds": t} for k, (n, t) in times.items()}},
+        indent=1) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -10,7 +10,9 @@ over the union of both families (each distinct pair of configurations and score 
 the per-seed finals in the reports' summaries are the data.
 
 Usage: python bench/task_family.py [--results bench/results/task]   (any Python >= 3.10; no torch needed)
-Writes <results>/exploratory_family.{txt,json}.
+Writes <results>/exploratory_family.{txt,json}, and <results>/exploratory_tables.md: the reports' tables with each
+configuration's difference from the group's best and from the framework's default, each p-value beside its
+Holm-adjusted one (over the union of both families).
 """
 
 from __future__ import annotations
@@ -83,6 +85,53 @@ def tests(results: Path) -> list[dict]:
     return found
 
 
+def tables(results: Path, rows: list[dict]) -> str:
+    """Markdown: per (setting, framework, beta, lag) group of the reports, every configuration's final scores (mean +-
+    se over seeds) with its difference from the group's best and from the framework's default, each as `diff (p; Holm
+    adjusted over the union)` from `rows` (both families, with holm_union), its KL(pi || pi_ref) in and out of domain
+    and its collapses."""
+    test = {(r["setting"], r["framework"], r["beta"], r["lag"], r["score"], r["config"], r["against"]): r for r in rows}
+
+    def versus(where: tuple, score: str, config: str, other: str) -> str:
+        if config == other:
+            return "--"
+        t, sign = test.get((*where, score, config, other)), 1
+        if t is None:
+            t, sign = test.get((*where, score, other, config)), -1
+        return "n/a" if t is None else (f"{sign * 100 * t['difference']:+.1f} (p {t['p']:.3f}; Holm "
+                                        f"{t['holm_union']:.3f})")
+
+    out = [f"Exploratory (5 seeds per configuration): final score % (mean +- se over seeds) and each configuration "
+           f"against the group's best and against the framework's default: difference in points (two-sided paired "
+           f"t-test p, uncorrected; Holm: adjusted over all {len(rows)} tests of exploratory_family.txt; n/a: no "
+           f"test, the per-seed values being identical). Made by `python bench/task_family.py`."]
+    for report in sorted(results.glob("task_*_*.json")):
+        for group in json.loads(report.read_text())["groups"]:
+            key, summary = group["key"], group["summary"]
+            where = (key["setting"], key["framework"], key["rl"]["beta"], key["rl"]["lag"])
+            best = {score: v["best"] for score, v in group["versus_best"].items()}
+            default = DEFAULTS[key["framework"]]
+            score = "gold reward in domain" if key["setting"] == "proxy" else "in domain"
+            out += ["", f"**{key['setting']}, {key['framework']}, beta {key['rl']['beta']:g}, lag {key['rl']['lag']}** "
+                    f"(`{report.name}`)", "",
+                    f"| configuration | {score} % | vs best | vs `{default}` | out of domain % | vs best | vs "
+                    f"`{default}` | KL(pi \\|\\| pi_ref) in domain | out of domain | collapses |",
+                    "|---|---|---|---|---|---|---|---|---|---|"]
+            for config, row in summary.items():
+                cells = []
+                for split in SCORES:
+                    if split not in row:
+                        cells += ["n/a"] * 3
+                        continue
+                    mean = f"{100 * row[split]['mean']:.1f} +- {100 * row[split]['se']:.1f}"
+                    top = "**best**" if best.get(split) == config else versus(where, split, config, best.get(split))
+                    cells += [mean, top, versus(where, split, config, default) if default in summary else "n/a"]
+                kl = [f"{row[m]['mean']:.2f} +- {row[m]['se']:.2f}" if m in row else "n/a" for m in ("kl", "kl_ood")]
+                collapses = f"{round(row['collapse']['mean'] * len(row['seeds']))} / {len(row['seeds'])}"
+                out.append(f"| `{config}` | " + " | ".join(cells + kl + [collapses]) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "task")
@@ -110,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['holm_union']:>7.3f}")
     (args.results / "exploratory_family.txt").write_text("\n".join(lines) + "\n")
     (args.results / "exploratory_family.json").write_text(json.dumps({"tests": rows}, indent=1) + "\n")
+    (args.results / "exploratory_tables.md").write_text(tables(args.results, rows))
     print("\n".join(lines[:3] + lines[3:15]))
     return 0
 

@@ -24,7 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 from task_family import holm  # noqa: E402
 from kl_adapters.demo.long_horizon_report import paired_test  # noqa: E402
 from kl_adapters.demo.output import read_runs  # noqa: E402

@@ -35,10 +35,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# the checkout's kl_adapters, not a copy installed in the framework's environment (which may predate the checkout's
-# support matrix and refusals); a kl_adapters on PYTHONPATH (the "before" collection's) still comes first
-sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-                str(Path(__file__).resolve().parents[1]))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 from doctor_examples import candidates, parse_command  # noqa: E402
 

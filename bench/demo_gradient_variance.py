@@ -40,6 +40,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 import torch  # noqa: E402
 from timing import write_result_and_table  # noqa: E402

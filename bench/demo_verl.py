@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.pop("KL_ADAPTERS", None)  # only verl's own config names select kl-adapters here
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 from demo_common import main as demo_main  # noqa: E402
 

@@ -36,10 +36,12 @@ from pathlib import Path
 
 import torch
 
-from kl_adapters.demo.task import arithmetic, reference
-from kl_adapters.demo.task.evaluate import decode, encode_prompts, mean_se, sample
-from kl_adapters.demo.task.settings import LONG_SIZES as SIZES
-from kl_adapters.demo.task.settings import long_reference as spec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
+from kl_adapters.demo.task import arithmetic, reference  # noqa: E402
+from kl_adapters.demo.task.evaluate import decode, encode_prompts, mean_se, sample  # noqa: E402
+from kl_adapters.demo.task.settings import LONG_SIZES as SIZES  # noqa: E402
+from kl_adapters.demo.task.settings import long_reference as spec  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results/task/confirmatory/design_long.txt"
 BAND, MIN_LENGTH, PROMPTS, MAX_NEW, SEED = (0.20, 0.60), 256, 1024, 360, 300
@@ -84,7 +86,6 @@ def judge(noise: float, size: str, cache: Path | None, say) -> str:
 
 def choose_betas(work: Path, say, prompts: int = 256, group: int = 8) -> list[str]:
     """Protocol step 3: the design file's lines of the two design policies' measurements and the chosen betas."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from measure_task import measure, measure_inputs, train
 
     from kl_adapters.demo.task.driver import prepare

@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 from kl_adapters.demo.long_horizon_harness import LongSettings, train  # noqa: E402
 from kl_adapters.demo.long_horizon_problem import LongHorizonProblem  # noqa: E402

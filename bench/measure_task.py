@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 from kl_adapters.demo.output import environment, output_to  # noqa: E402
 from kl_adapters.demo.task.driver import prepare  # noqa: E402

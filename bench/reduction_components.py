@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 import variance  # noqa: E402
 from tabular_toys import problem as tabular_problem  # noqa: E402
 from tabular_variance import ascent_path  # noqa: E402

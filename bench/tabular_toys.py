@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 from timing import RESULTS, write_result  # noqa: E402
 
 from kl_adapters import kl_surrogate  # noqa: E402

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 from tabular_toys import log_optimum, problem  # noqa: E402
 from timing import write_result_and_table  # noqa: E402
 from variance import Moments, Progress, ratio_with_se  # noqa: E402

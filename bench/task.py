@@ -23,7 +23,8 @@ import shlex
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 from kl_adapters.demo.task.driver import add_arguments, execute, run_trl  # noqa: E402
 

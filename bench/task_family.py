@@ -23,7 +23,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 from kl_adapters.demo.long_horizon_report import paired_test  # noqa: E402
 
 DEFAULTS = {"trl": "trl-default", "verl": "verl-default", "openrlhf": "openrlhf-default-k3"}

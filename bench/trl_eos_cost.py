@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 import torch  # noqa: E402
 from timing import alternating, compare, write_result  # noqa: E402

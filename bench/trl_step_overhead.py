@@ -22,6 +22,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
 from timing import write_result_and_table  # noqa: E402
 from zeroed_statistics import zeroed  # noqa: E402
 

@@ -8,7 +8,8 @@ hypothesis not run yet counts with p = 1, which only makes the others' adjustmen
 (confirmed: adjusted p < 0.05 and the mean in the registered direction), and the exact sign-flip permutation p.
 A hypothesis whose seeds have not all run yet (for every configuration, finished or failed) is reported as running,
 with its interim figures, and counts in Holm's correction as not run: decisions are taken on the full ten seeds.
-The run time: every run's wall time summed, per store and in all. The long setting's betas are read from design_long.txt (its line "chosen betas (...): b1, b2, b3").
+The run time: every run's wall time summed, per store and in all. The long setting's betas are read from
+design_long.txt (its line "chosen betas (...): b1, b2, b3").
 
 Usage: python bench/confirmatory.py [--folder bench/results/task/confirmatory]   (writes confirmatory.{txt,json})
 """
@@ -26,14 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkout_path  # noqa: E402,F401  (this checkout's kl_adapters on sys.path)
-from task_family import holm  # noqa: E402
+from task_family import DEFAULTS, holm  # noqa: E402
 from kl_adapters.demo.long_horizon_report import paired_test  # noqa: E402
 from kl_adapters.demo.output import read_runs  # noqa: E402
 from kl_adapters.demo.task.report import final, score_name  # noqa: E402
 from kl_adapters.student_t import quantile  # noqa: E402
 
 SEEDS = tuple(range(200, 210))
-DEFAULT_K3 = {"verl": "verl-default", "openrlhf": "openrlhf-default-k3"}
+DEFAULT_K3 = {fw: DEFAULTS[fw] for fw in ("verl", "openrlhf")}
 
 
 @dataclass(frozen=True)

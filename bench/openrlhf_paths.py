@@ -1,6 +1,7 @@
-"""Imported for its effect by the OpenRLHF bench scripts: the checkout (its kl_adapters, not an installed copy) and
-tests/openrlhf (the CPU strategy shim and the harness) on sys.path and, where flash_attn or vllm cannot be imported (no CUDA), the suite's TEST-ONLY import stubs
-(tests/openrlhf/cpu_stubs, never called: the scripts run the Hugging Face attention path); the hub offline."""
+"""Imported for its effect by the OpenRLHF bench scripts: the checkout (its kl_adapters, not an installed copy:
+`checkout_path`) and tests/openrlhf (the CPU strategy shim and the harness) on sys.path and, where flash_attn or vllm
+cannot be imported (no CUDA), the suite's TEST-ONLY import stubs (tests/openrlhf/cpu_stubs, never called: the scripts
+run the Hugging Face attention path); the hub offline."""
 
 from __future__ import annotations
 

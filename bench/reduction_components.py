@@ -221,7 +221,8 @@ BIGRAM = ([BigramCell(h, 0.2, "on", st, 0.05, batches=512 if h == 256 else 256) 
 
 
 #: the tied-reward grid: the KL term alone, on-policy, at the drifted policy
-TIED = [BigramCell(h, drift, "on", 0, 0.0, batches=256 if h == 256 else 128) for h in (256, 1024) for drift in (0.05, 0.2)]
+TIED = [BigramCell(h, drift, "on", 0, 0.0, batches=256 if h == 256 else 128)
+        for h in (256, 1024) for drift in (0.05, 0.2)]
 
 
 def _cells(label: str, ratios: dict[str, tuple[float, float] | float], switches: tuple[str, ...] = SWITCHES) -> str:
@@ -241,13 +242,14 @@ def main() -> int:
     ap.add_argument("--step", type=int, nargs="+", default=[50, 200], help="gpt2: the policies measured")
     ap.add_argument("--groups", type=int, default=32, help="gpt2: groups of 32 completions per policy")
     ap.add_argument("--seed", type=int, default=0, help="gpt2: the problem's and the run's seed")
-    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram, tied, gpt2: the switches turned off, "
-                    "one row each; a+b turns a and b off together (default: every switch)")
+    ap.add_argument("--switches", nargs="+", default=list(SWITCHES), help="bigram, tied, gpt2: the switches turned "
+                    "off, one row each; a+b turns a and b off together (default: every switch)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     unknown = [s for s in args.switches for part in s.split("+") if part not in SWITCHES]
     if unknown or (args.problem == "tabular" and args.switches != list(SWITCHES)):
-        ap.error(f"--switches: bigram, tied and gpt2 only, each of {', '.join(SWITCHES)} (or a+b); got {' '.join(args.switches)}")
+        ap.error(f"--switches: bigram, tied and gpt2 only, each of {', '.join(SWITCHES)} (or a+b); "
+                 f"got {' '.join(args.switches)}")
     switches = tuple(args.switches)
     warnings.filterwarnings("ignore")
     note = "variance with the switch off / with every switch on (above 1: the switch lowers the variance)"

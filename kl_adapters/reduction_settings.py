@@ -56,8 +56,9 @@ class ReductionConfig:
                                      "the others as fitted). Pinned: tests/core/test_reduction_switches.py")
     termination: bool = _setting(True, "the coefficient h of the termination control variate (False: zero after "
                                  "the fit). Pinned: tests/core/test_reduction_switches.py (the KL term alone, a group "
-                                 "whose rewards tie: 1.1-6.2x lower variance at T = 256-1024); it costs 1-8.5% where "
-                                 "a bigram token is rewarded and up to 2.6% on the GPT-2 through TRL (docs/variance.md)")
+                                 "whose rewards tie: 1.1-6.2x lower variance at T = 256-1024); it costs 1-8.5% "
+                                 "where a bigram token is rewarded and up to 2.6% on the GPT-2 through TRL "
+                                 "(docs/variance.md)")
     past_kl: bool = _setting(True, "the coefficient lambda of the prefix-KL baseline (False: zero after the fit). "
                              "Pinned: tests/core/test_reduction_switches.py")
     baseline: bool = _setting(True, "the per-position baseline m (False: zero after the fit). "

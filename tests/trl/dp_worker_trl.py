@@ -71,6 +71,9 @@ def main(job_path: str, out_path: str) -> None:
     out["final_beta"] = adapter.budget_of(trainer).beta
     torch.save(out, out_path.format(rank=rank))
     torch.distributed.barrier()
+    # gloo's threads stopped before the interpreter exits (left to exit, a rank once aborted there under load:
+    # "terminate called without an active exception", exit -6, after its results were written)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

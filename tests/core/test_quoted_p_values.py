@@ -11,12 +11,12 @@ when a report was regenerated, fails here with its page and line.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from test_docs import ROOT
+from test_results_cited import tracked
 
-ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "bench" / "results" / "task"
 FAMILY_TABLES = [REPORTS / "exploratory_family.txt", REPORTS / "confirmatory" / "confirmatory.txt"]
 PAGES = ["README.md", "docs/task.md"]
@@ -29,12 +29,7 @@ PRINTED = re.compile(rf"\b(?:p(?: =)?|Holm) ({_VALUE})\b")
 
 
 def _tracked_reports() -> list[Path]:
-    try:
-        listed = subprocess.run(["git", "ls-files", "bench/results/task"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    return [ROOT / p for p in listed if p.endswith((".txt", ".md"))]
+    return [ROOT / p for p in tracked() if p.startswith("bench/results/task/") and p.endswith((".txt", ".md"))]
 
 
 def reported_p_values(reports: list[Path]) -> set[str]:

@@ -6,18 +6,31 @@ needed; every rank gets a timeout, and a failing rank's output is in the asserti
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dump_stacks(procs: list[subprocess.Popen], grace: float = 10) -> None:
+    """SIGABRT to every rank still running: faulthandler (-X faulthandler) prints each thread's Python stack to the
+    rank's log before it dies, so a hang's assertion message says where each rank waited."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGABRT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
 
 
 def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: dict | None = None) -> None:
@@ -28,7 +41,7 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: d
     base.update(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world),
                 LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=script.parent,
+    procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", str(script), *args], cwd=script.parent,
                               env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline, failure = time.monotonic() + timeout, None
@@ -39,6 +52,7 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: d
                 failure = f"rank {failed[0]} exited {procs[failed[0]].returncode}"
             elif time.monotonic() > deadline:
                 failure = f"timed out after {timeout:g} s"
+                dump_stacks(procs)
             else:
                 time.sleep(0.2)
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
@@ -55,6 +69,19 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: d
             log.seek(0)
             output.append(f"--- rank {rank}:\n{log.read()[-3000:]}")
         raise AssertionError("\n".join([failure, *output]))
+
+
+def end_rank() -> NoReturn:
+    """A worker's last call, after its results are written: a barrier (no rank leaves while another is still in a
+    collective), then `os._exit(0)` with its output flushed. Not `destroy_process_group`: it can hang (pytorch#75097;
+    here TRL's worker hung in CI once, past its 240 s timeout, results written); not the interpreter's exit either:
+    gloo's threads at teardown once aborted a rank there ("terminate called without an active exception", exit -6)."""
+    import torch.distributed
+
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def relative_error(got, expected) -> float:

@@ -31,6 +31,11 @@ import openrlhf_cpu_shim  # noqa: E402
 import ring_attn_cpu  # noqa: E402
 from dp_worker_openrlhf import ROOT_VARIABLE, DataParallelCPUStrategy  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for data_parallel only:
+from data_parallel import end_rank  # noqa: E402
+
+del sys.path[0]  # tests/trl etc. would shadow the frameworks' packages
+
 
 class RingCPUStrategy(DataParallelCPUStrategy):
     """The CPU strategy shim with DeepspeedStrategy's ring_attn_group (OpenRLHF's module-level ring group)."""
@@ -105,8 +110,7 @@ def main(job_path: str, out_path: str) -> None:
     torch.save({"grads": strategy.grad_log, "log_probs": log_probs, "eos": None if eos is None else eos.prob,
                 "is_eos": None if eos is None else eos.is_eos, "rollout_calls": ring_attn_cpu.CALLS[:rollout_calls],
                 "train_calls": ring_attn_cpu.CALLS[rollout_calls:], "steps": len(steps)}, out_path.format(rank=rank))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -29,12 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 import openrlhf_cpu_shim  # noqa: E402
 import ring_attn_cpu  # noqa: E402
-from dp_worker_openrlhf import ROOT_VARIABLE, DataParallelCPUStrategy  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for data_parallel only:
-from data_parallel import end_rank  # noqa: E402
-
-del sys.path[0]  # tests/trl etc. would shadow the frameworks' packages
+from dp_worker_openrlhf import ROOT_VARIABLE, DataParallelCPUStrategy, end_rank  # noqa: E402
 
 
 class RingCPUStrategy(DataParallelCPUStrategy):

@@ -1,11 +1,14 @@
 """Launcher of the data-parallel tests (tests/<suite>/test_data_parallel.py, docs/data-parallel.md): runs a worker
 script once per rank as a plain subprocess with the environment torch.distributed and accelerate read (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), so no external launcher is
-needed; every rank gets a timeout, and a failing rank's output is in the assertion message."""
+needed; every rank gets a timeout, and a failing rank's output is in the assertion message. Each rank runs through
+this file's bootstrap (`python -X faulthandler data_parallel.py script *args`), which ends the rank with `end_rank`
+once the script returns, so no worker has to."""
 
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -41,7 +44,8 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: d
     base.update(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world),
                 LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", str(script), *args], cwd=script.parent,
+    bootstrap = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), str(script), *args]
+    procs = [subprocess.Popen(bootstrap, cwd=script.parent,
                               env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline, failure = time.monotonic() + timeout, None
@@ -72,19 +76,35 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: d
 
 
 def end_rank() -> NoReturn:
-    """A worker's last call, after its results are written: a barrier (no rank leaves while another is still in a
-    collective), then `os._exit(0)` with its output flushed. Not `destroy_process_group`: it can hang (pytorch#75097;
-    here TRL's worker hung in CI once, past its 240 s timeout, results written); not the interpreter's exit either:
-    gloo's threads at teardown once aborted a rank there ("terminate called without an active exception", exit -6)."""
-    import torch.distributed
-
-    torch.distributed.barrier()
+    """A rank's end, after its script returned: a barrier if the script joined a process group (no rank leaves while
+    another is still in a collective), then `os._exit(0)` with its output flushed. Not `destroy_process_group`: it can
+    hang (pytorch#75097; here TRL's worker hung in CI once, past its 240 s timeout, results written); not the
+    interpreter's exit either: gloo's threads at teardown once aborted a rank there ("terminate called without an
+    active exception", exit -6). A script that raises never gets here: its traceback and exit status 1 reach
+    `run_ranks`, which kills the other ranks."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_as_rank(script: str, *args: str) -> NoReturn:
+    """The bootstrap: `script` run as `python script *args` would run it (as __main__, its own folder first on
+    sys.path in place of tests/, whose trl/, verl/ and openrlhf/ folders would shadow the frameworks' packages), then
+    `end_rank`."""
+    sys.path[0] = str(Path(script).resolve().parent)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+    end_rank()
 
 
 def relative_error(got, expected) -> float:
     """max |got - expected| / max |expected| of two gradients (float64 arithmetic)."""
     got, expected = got.double(), expected.double()
     return float((got - expected).abs().max() / expected.abs().max())
+
+
+if __name__ == "__main__":
+    run_as_rank(*sys.argv[1:])

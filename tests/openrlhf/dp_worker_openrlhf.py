@@ -24,11 +24,6 @@ import torch.distributed as dist  # noqa: E402
 
 import openrlhf_cpu_shim  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for data_parallel only:
-from data_parallel import end_rank  # noqa: E402
-
-del sys.path[0]  # tests/trl etc. would shadow the frameworks' packages
-
 #: environment variable naming the directory of the test process's kl_adapters (test_data_parallel.same_kl_adapters)
 ROOT_VARIABLE = "KL_ADAPTERS_DP_TEST_ROOT"
 
@@ -80,7 +75,6 @@ def main(job_path: str, out_path: str) -> None:
     grads = train_rows(job["args"], job["actor_dir"], job["batch"], job["statistics"], job["rows"][rank],
                        job["micro"], job["gas"])
     torch.save(grads, out_path.format(rank=rank))
-    end_rank()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 import openrlhf_cpu_shim  # noqa: E402
 import ring_attn_cpu  # noqa: E402
-from dp_worker_openrlhf import ROOT_VARIABLE, DataParallelCPUStrategy, end_rank  # noqa: E402
+from dp_worker_openrlhf import ROOT_VARIABLE, DataParallelCPUStrategy  # noqa: E402
 
 
 class RingCPUStrategy(DataParallelCPUStrategy):
@@ -105,7 +105,6 @@ def main(job_path: str, out_path: str) -> None:
     torch.save({"grads": strategy.grad_log, "log_probs": log_probs, "eos": None if eos is None else eos.prob,
                 "is_eos": None if eos is None else eos.is_eos, "rollout_calls": ring_attn_cpu.CALLS[:rollout_calls],
                 "train_calls": ring_attn_cpu.CALLS[rollout_calls:], "steps": len(steps)}, out_path.format(rank=rank))
-    end_rank()
 
 
 if __name__ == "__main__":

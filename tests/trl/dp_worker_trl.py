@@ -25,11 +25,6 @@ from test_data_parallel import loss_grad, with_rollout_statistics  # noqa: E402
 
 from kl_adapters.adapters import trl as adapter  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for data_parallel only:
-from data_parallel import end_rank  # noqa: E402
-
-del sys.path[0]  # tests/trl etc. would shadow the frameworks' packages
-
 
 def shard(batch: dict, rank: int, world: int) -> dict:
     """This rank's contiguous slice of a global generation batch's rows, completion columns trimmed to its own
@@ -75,7 +70,6 @@ def main(job_path: str, out_path: str) -> None:
     out["betas"] = [r["kl_adapters/beta"] for r in trainer.state.log_history if "kl_adapters/beta" in r]
     out["final_beta"] = adapter.budget_of(trainer).beta
     torch.save(out, out_path.format(rank=rank))
-    end_rank()
 
 
 if __name__ == "__main__":

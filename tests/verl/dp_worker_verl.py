@@ -32,11 +32,6 @@ import engine_check  # noqa: E402
 
 import kl_adapters  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for data_parallel only:
-from data_parallel import end_rank  # noqa: E402
-
-del sys.path[0]  # tests/trl etc. would shadow the frameworks' packages
-
 os.environ.update(rank_env)
 expected = os.environ.get("KL_ADAPTERS_DP_TEST_ROOT")  # test_data_parallel.same_kl_adapters
 imported = os.path.dirname(os.path.dirname(os.path.realpath(kl_adapters.__file__)))
@@ -91,7 +86,6 @@ def main() -> None:
         out[case] = theta0 - engine_check.params(worker)
     out["attention_lengths"] = ulysses_cpu.CALLS if ULYSSES > 1 else []
     torch.save(out, out_path.format(rank=rank))
-    end_rank()
 
 
 if __name__ == "__main__":

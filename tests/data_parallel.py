@@ -45,8 +45,7 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 120, env: d
                 LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
     bootstrap = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), str(script), *args]
-    procs = [subprocess.Popen(bootstrap, cwd=script.parent,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+    procs = [subprocess.Popen(bootstrap, cwd=script.parent, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline, failure = time.monotonic() + timeout, None
     try:
